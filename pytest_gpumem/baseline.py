@@ -1,0 +1,384 @@
+"""Baseline store: one reviewable JSON file per test module under ``baselines/``.
+
+Why this shape: reviewers read baselines in PR diffs (stable key order, one value per line),
+many xdist workers refresh at once (one lock, temp file, atomic replace), and a truncated or
+hand-broken file must fail loudly instead of being overwritten. Files are data only: parsed
+with :mod:`json`, validated field by field, never pickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fnmatch
+import json
+import math
+import os
+import platform
+import re
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from filelock import FileLock, Timeout
+
+SCHEMA_VERSION = 1
+MAX_MIB = 2.0**40
+LOCK_NAME = ".gpumem.lock"
+LOCK_TIMEOUT_S = 300.0
+STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-write
+ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "MALLOC_ARENA_MAX")
+ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
+_ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
+_INT_KEY = re.compile(r"^(0|[1-9][0-9]{0,8})$")
+_MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
+
+
+class BaselineError(ValueError):
+    """A baseline that cannot be trusted; the message names the file, the field and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One world size's stored measurement on one platform."""
+
+    gated_mib: float  # the gated rank's peak
+    ranks: dict[int, float]  # every measured rank's peak; unmeasured ranks are absent
+    rank: int | str  # which rank gated: an int or "all"
+    device: str  # "gpu" | "cpu"
+    method: str  # how it was measured, e.g. "high-water mark"
+    provenance: dict[str, str]  # flat, so a diff shows exactly what changed
+
+
+def platform_key(device: str, gpu_name: str | None = None) -> str:
+    """``gpu:<name>`` or ``cpu:<model>``: peaks are only comparable on the same hardware."""
+    if device == "gpu":
+        if not gpu_name or not gpu_name.strip():
+            raise ValueError("platform_key('gpu') needs the GPU name, e.g. 'NVIDIA H200'")
+        return "gpu:" + " ".join(gpu_name.split())
+    if device == "cpu":
+        return "cpu:" + _cpu_model()
+    raise ValueError(f"device {device!r}: expected 'gpu' or 'cpu'")
+
+
+@lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    return " ".join((platform.processor() or platform.machine() or "unknown").split())
+
+
+def host_provenance(env: Mapping[str, str]) -> dict[str, str]:
+    """Python, OS/arch, date and the set env knobs that move memory; no hostname, no home paths."""
+    out = {
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "platform": f"{platform.system()}-{platform.machine()}",
+        "python": platform.python_version(),
+    }
+    home = os.path.expanduser("~").rstrip("/")
+    for key in sorted(env):
+        if key in ENV_KNOBS or key.startswith(ENV_KNOB_PREFIXES):
+            value = str(env[key])
+            if home:  # keep user names out of committed files
+                value = "~" if value == home else value.replace(home + "/", "~/")
+            out[f"env.{key}"] = value
+    return out
+
+
+class _Obj(dict):  # type: ignore[type-arg]
+    """A JSON object that remembers keys given twice (a badly resolved merge) to report them."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
+    obj = _Obj(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    return obj
+
+
+class _Rejected:
+    """Stands in for NaN, Infinity or a 100-digit integer so validation rejects it by field path."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text if len(text) < 24 else f"{text[:12]}... ({len(text)} digits)"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _parse_int(text: str) -> int | _Rejected:
+    return int(text) if len(text) < 24 else _Rejected(text)  # int() of 5000 digits would raise unnamed
+
+
+def _bad(file: Path, where: str, what: str, expected: str) -> BaselineError:
+    return BaselineError(f"{file}: {where or '(top level)'}: {what}; expected {expected}")
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, dict):
+        return "got an object"
+    if isinstance(value, list):
+        return "got an array"
+    if value is None or isinstance(value, bool):
+        return "got " + json.dumps(value)
+    return f"got the string {value!r}" if isinstance(value, str) else f"got {value!r}"
+
+
+def _check_obj(file: Path, where: str, value: Any, keys: tuple[str, ...] | None, expected: str) -> None:
+    if not isinstance(value, dict):
+        raise _bad(file, where, _got(value), expected)
+    if getattr(value, "duplicates", ()):
+        raise _bad(file, f"{where}[{value.duplicates[0]!r}]", "given more than once in one object",
+                   "each key once (was a merge conflict resolved by keeping both sides?)")
+    if keys is None:
+        return
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise _bad(file, where, "unknown key(s) " + ", ".join(map(repr, unknown)),
+                   "only " + ", ".join(map(repr, keys)))
+    for key in keys:
+        if key not in value:
+            raise _bad(file, f"{where}.{key}" if where else key, "missing", "every one of " + ", ".join(keys))
+
+
+def _check_mib(file: Path, where: str, value: Any) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value < MAX_MIB):
+        raise _bad(file, where, _got(value), _MIB_RULE)
+
+
+def _check_entry(file: Path, where: str, e: Any, world_size: int, device: str) -> None:
+    _check_obj(file, where, e, _ENTRY_KEYS, "an object with " + ", ".join(_ENTRY_KEYS))
+    if e["device"] != device:
+        raise _bad(file, f"{where}.device", _got(e["device"]), f"{device!r}, as the platform key says")
+    _check_mib(file, f"{where}.gated_mib", e["gated_mib"])
+    rank = e["rank"]
+    if rank != "all" and (type(rank) is not int or not 0 <= rank < world_size):
+        raise _bad(file, f"{where}.rank", _got(rank), f"'all' or an integer rank 0..{world_size - 1}")
+    _check_obj(file, f"{where}.ranks", e["ranks"], None, "an object of rank -> MiB")
+    for key, mib in e["ranks"].items():
+        if not _INT_KEY.match(key) or int(key) >= world_size:
+            raise _bad(file, f"{where}.ranks[{key!r}]", "not a rank of this world size",
+                       f"rank keys '0'..'{world_size - 1}'")
+        _check_mib(file, f"{where}.ranks[{key!r}]", mib)
+    if not isinstance(e["method"], str) or not e["method"]:
+        raise _bad(file, f"{where}.method", _got(e["method"]), "a non-empty string such as 'high-water mark'")
+    _check_obj(file, f"{where}.provenance", e["provenance"], None, "an object of string -> string")
+    for key, value in e["provenance"].items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise _bad(file, f"{where}.provenance[{key!r}]", _got(value), "string keys and string values")
+
+
+def _platform_device(key: Any) -> str | None:
+    device, sep, name = key.partition(":") if isinstance(key, str) else ("", "", "")
+    return device if sep and device in ("gpu", "cpu") and name.strip() else None
+
+
+def _check_doc(file: Path, doc: Any) -> None:
+    _check_obj(file, "", doc, None, "an object with 'schema' and 'tests'")
+    schema = doc.get("schema")  # checked first: a newer file should say so, not list unknown keys
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        what = f"{_got(schema)}, which this pytest-gpumem cannot read" if "schema" in doc else "missing"
+        raise _bad(file, "schema", what, f"{SCHEMA_VERSION} (the baseline schema this pytest-gpumem reads)")
+    _check_obj(file, "", doc, ("schema", "tests"), "'schema' and 'tests'")
+    _check_obj(file, "tests", doc["tests"], None, "an object of test name -> platforms")
+    for name, plats in doc["tests"].items():
+        where = f"tests[{name!r}]"
+        _check_obj(file, where, plats, None, "an object of platform ('gpu:<GPU>' or 'cpu:<CPU>') -> sizes")
+        for plat, sizes in plats.items():
+            device = _platform_device(plat)
+            if device is None:
+                raise _bad(file, f"{where}[{plat!r}]", "not a platform key", "'gpu:<GPU name>' or 'cpu:<CPU model>'")
+            _check_obj(file, f"{where}[{plat!r}]", sizes, None, "an object of world size -> entry")
+            for ws, entry in sizes.items():
+                if not _INT_KEY.match(ws) or ws == "0":
+                    raise _bad(file, f"{where}[{plat!r}][{ws!r}]", "not a world size", "a positive integer key like '2'")
+                _check_entry(file, f"{where}[{plat!r}][{ws!r}]", entry, int(ws), device)
+
+
+def _load(file: Path) -> tuple[bytes, dict[str, Any]] | None:
+    """The file's bytes and validated document; None if there is no file."""
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _bad(file, "(file)", f"cannot be read ({exc.strerror})", "a readable baseline file") from exc
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_Rejected,
+                         parse_int=_parse_int, object_pairs_hook=_pairs)
+    except UnicodeDecodeError as exc:
+        raise _bad(file, f"byte {exc.start}", "not UTF-8", "a UTF-8 JSON file") from exc
+    except json.JSONDecodeError as exc:
+        cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated")
+        what = exc.msg + (" (the file ends early: truncated?)" if cut else "")
+        raise _bad(file, f"line {exc.lineno} column {exc.colno}", what, "JSON as pytest-gpumem writes it") from exc
+    except (ValueError, RecursionError) as exc:
+        raise _bad(file, "(file)", f"not readable as JSON ({exc})", "JSON as pytest-gpumem writes it") from exc
+    _check_doc(file, doc)
+    return raw, doc
+
+
+def _ordered(value: Any) -> Any:
+    """Keys sorted, numerically where they are numbers ('2' before '10'), so diffs stay stable."""
+    if isinstance(value, dict):
+        keys = sorted(value, key=lambda k: (0, int(k), "") if _INT_KEY.match(k) else (1, 0, k))
+        return {k: _ordered(value[k]) for k in keys}
+    return value
+
+
+def _dump(doc: Mapping[str, Any]) -> bytes:
+    text = json.dumps(_ordered(doc), indent=2, ensure_ascii=False, allow_nan=False)
+    return (text + "\n").encode("utf-8")
+
+
+def _round(mib: Any) -> Any:
+    """0.1 MiB is far below run-to-run noise; fewer digits keep diffs quiet. Non-numbers are left for validation."""
+    return mib if isinstance(mib, bool) or not isinstance(mib, (int, float)) else round(float(mib), 1)
+
+
+def _to_json(e: Entry) -> dict[str, Any]:
+    """Entry -> JSON object; anything of the wrong type is passed through for validation to name."""
+    ranks = {str(r): _round(v) for r, v in e.ranks.items()} if isinstance(e.ranks, Mapping) else e.ranks
+    prov = dict(e.provenance) if isinstance(e.provenance, Mapping) else e.provenance
+    return {"device": e.device, "gated_mib": _round(e.gated_mib), "method": e.method,
+            "provenance": prov, "rank": e.rank, "ranks": ranks}
+
+
+def _from_json(raw: Mapping[str, Any]) -> Entry:
+    return Entry(gated_mib=float(raw["gated_mib"]), ranks={int(k): float(v) for k, v in raw["ranks"].items()},
+                 rank=raw["rank"], device=raw["device"], method=raw["method"], provenance=dict(raw["provenance"]))
+
+
+def _umask() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    old = os.umask(0o022)  # no /proc: the only portable way to read it
+    os.umask(old)
+    return old
+
+
+def _write_atomic(file: Path, data: bytes) -> None:
+    """Private temp file beside the target, fsync, one rename: readers see old or new, never half."""
+    try:
+        mode = stat.S_IMODE(file.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")  # 0o600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)  # widened only once complete: the published file is a normal one
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(file.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class BaselineStore:
+    """Baselines under one directory. Reads take no lock (writers replace atomically); writes do."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def file_for(self, test_id: str) -> Path:
+        """``a/test_x.py::test_a[2]`` -> ``<dir>/a/test_x.py.json``: one file per module keeps diffs local."""
+        return self._split(test_id)[0]
+
+    def _split(self, test_id: str) -> tuple[Path, str]:
+        module, sep, name = test_id.partition("::")
+        parts = module.split("/")
+        if not sep or not name or module.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise BaselineError(f"{self.directory}: test id {test_id!r}: cannot be stored; "
+                                "expected 'path/under/rootdir/test_x.py::name'")
+        return self.directory.joinpath(*parts[:-1], parts[-1] + ".json"), name
+
+    def lookup(self, test_id: str, platform: str, world_size: int) -> Entry | None:
+        """The stored entry, or None when file, test, platform or size is absent; a bad file raises."""
+        file, name = self._split(test_id)
+        loaded = _load(file)
+        raw = loaded[1]["tests"].get(name, {}).get(platform, {}).get(str(world_size)) if loaded else None
+        return None if raw is None else _from_json(raw)
+
+    def platforms(self, test_id: str) -> list[str]:
+        """Platforms stored for the test, so a miss can say where a baseline does exist."""
+        file, name = self._split(test_id)
+        loaded = _load(file)
+        return sorted(loaded[1]["tests"].get(name, {})) if loaded else []
+
+    def update(self, test_id: str, platform: str, entries: Mapping[int, Entry]) -> dict[int, tuple[Entry | None, Entry]]:
+        """Locked read-modify-write of these sizes only; everything else in the file is kept as it was."""
+        file, name = self._split(test_id)
+        device = _platform_device(platform)
+        if device is None:
+            raise _bad(file, f"tests[{name!r}][{platform!r}]", "not a platform key", "'gpu:<GPU name>' or 'cpu:<CPU model>'")
+        new: dict[str, dict[str, Any]] = {}
+        for ws, entry in entries.items():
+            where = f"tests[{name!r}][{platform!r}][{str(ws)!r}]"
+            if type(ws) is not int or ws < 1:
+                raise _bad(file, where, "not a world size", "a positive integer")
+            new[str(ws)] = _to_json(entry)
+            _check_entry(file, where, new[str(ws)], ws, device)  # never write what we could not read back
+        if not new:
+            return {}
+        file.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.directory / LOCK_NAME), timeout=LOCK_TIMEOUT_S, mode=0o600)
+        try:
+            with lock:
+                loaded = _load(file)  # a bad file raises here, before anything is written
+                doc = loaded[1] if loaded else {"schema": SCHEMA_VERSION, "tests": {}}
+                sizes = doc["tests"].setdefault(name, {}).setdefault(platform, {})
+                changes = {int(ws): (_from_json(sizes[ws]) if ws in sizes else None, _from_json(raw))
+                           for ws, raw in new.items()}
+                sizes.update(new)
+                data = _dump(doc)
+                self._remove_stale_temps(file)
+                if loaded is None or loaded[0] != data:
+                    _write_atomic(file, data)
+        except Timeout as exc:
+            raise _bad(Path(lock.lock_file), "lock", f"not acquired within {LOCK_TIMEOUT_S:g} s",
+                       "no other pytest-gpumem process to hold it that long") from exc
+        return changes
+
+    @staticmethod
+    def _remove_stale_temps(file: Path) -> None:
+        """Temp files a killed writer left behind; old ones only, in case a peer bypasses the lock."""
+        for tmp in file.parent.glob(f".{file.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
+                    tmp.unlink()
+
+    def entries(self, pattern: str | None = None) -> list[tuple[str, str, int, Entry]]:
+        """(test id, platform, world size, entry) for every stored entry whose test id matches ``pattern``."""
+        out: list[tuple[str, str, int, Entry]] = []
+        for file in sorted(self.directory.rglob("*.json")) if self.directory.is_dir() else []:
+            loaded = None if file.name.startswith(".") else _load(file)
+            module = file.relative_to(self.directory).as_posix()[: -len(".json")]
+            for name, plats in (loaded[1]["tests"] if loaded else {}).items():
+                test_id = f"{module}::{name}"
+                if pattern is not None and not fnmatch.fnmatchcase(test_id, pattern):
+                    continue
+                out.extend((test_id, plat, int(ws), _from_json(raw))
+                           for plat, sizes in plats.items() for ws, raw in sizes.items())
+        return sorted(out, key=lambda t: (t[0], t[1], t[2]))

@@ -1,0 +1,333 @@
+"""Start N ranks through a real launcher, supervise them, and make sure every process is gone.
+
+Three launchers share one environment contract (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK): ``python -m oneflow.distributed.launch``, ``torchrun`` and ``direct`` (we spawn the
+ranks). Every launch runs in sessions of its own, because OneFlow's launcher answers a failed
+rank with ``killpg(getpid(), SIGTERM)``, which would otherwise take pytest with it. The launch
+owns its timeout: neither launcher has one, and a rank stuck in a collective waits forever.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import psutil
+
+from .rank import LAUNCH_ID_ENV, WORKDIR_ENV, rank_file
+
+# Variables a launcher sets per rank; inherited values from an outer job would confuse it.
+_CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+             "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID")
+_TICK_S = 0.02
+_FAIL_FAST_GRACE_S = 2.0   # let the other ranks finish their own failure report first
+_TERM_GRACE_S = 3.0
+_STACK_DUMP_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One launch: which launcher, how many ranks, what each rank runs, where it may write."""
+
+    launcher: str
+    nproc: int
+    rank_argv: tuple[str, ...]      # arguments of ``python -m pytest_gpumem.rank``
+    env: Mapping[str, str]          # extra environment (marker env, CUDA_VISIBLE_DEVICES, ...)
+    cwd: Path
+    workdir: Path                   # private folder of this launch (logs, pids, results)
+    timeout: float
+
+
+@dataclass
+class LaunchResult:
+    nproc: int
+    launcher: str
+    command: list[str]
+    pids: dict[int, int] = field(default_factory=dict)
+    returncodes: dict[int, int] = field(default_factory=dict)  # direct launcher only
+    launcher_returncode: int | None = None
+    timed_out: bool = False
+    duration_s: float = 0.0
+    stacks: dict[int, str] = field(default_factory=dict)
+    leftovers: list[int] = field(default_factory=list)
+
+    def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
+        try:
+            text = rank_file(workdir, rank, "log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port() -> int:
+    """A port the OS says is free now; the launch binds it a moment later (small race, retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def oneflow_library_dirs() -> list[str]:
+    """cuDNN/cuBLAS folders that a pip-installed OneFlow needs even on a CPU-only machine."""
+    if importlib.util.find_spec("oneflow") is None:
+        return []
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    dirs = []
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for lib in ("cudnn", "cublas"):
+            path = Path(root) / lib / "lib"
+            if path.is_dir():
+                dirs.append(str(path))
+    return dirs
+
+
+def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id: str) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _CONTRACT}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    # Same thread count at every world size, so 1 -> N compares like with like
+    # (both launchers would set 1 only when N > 1).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("ONEFLOW_TEST_DEVICE_NUM", str(request.nproc))  # else skip_unless_1nXd skips
+    env.setdefault("ONEFLOW_TEST_NODE_NUM", "1")
+    libs = oneflow_library_dirs()
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env.update(request.env)
+    env[WORKDIR_ENV] = str(request.workdir)
+    env[LAUNCH_ID_ENV] = launch_id
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launcher_command(request: LaunchRequest, port: int) -> list[str]:
+    target = ["-m", "pytest_gpumem.rank", *request.rank_argv]
+    if request.launcher == "oneflow":
+        return [sys.executable, "-m", "oneflow.distributed.launch",
+                "--nproc_per_node", str(request.nproc), "--master_port", str(port),
+                "--logdir", str(request.workdir / "log"), *target]
+    if request.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(request.nproc), "--max-restarts", "0",
+                "--monitor-interval", "0.1", *target]
+    return [sys.executable, *target]
+
+
+def direct_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+
+
+class Launch:
+    """Runs one launch to the end; ``on_rank(rank, pid)`` is called as each rank announces itself."""
+
+    def __init__(self, request: LaunchRequest, on_rank: Callable[[int, int], None]) -> None:
+        self.request = request
+        self.on_rank = on_rank
+        self.launch_id = uuid.uuid4().hex
+        self._procs: list[subprocess.Popen] = []
+        self._seen: dict[int, psutil.Process] = {}
+
+    def run(self) -> LaunchResult:
+        req = self.request
+        req.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        env = rank_environment(os.environ, req, self.launch_id)
+        port = free_port()
+        command = launcher_command(req, port)
+        result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command)
+        log = open(req.workdir / "launcher.log", "wb")
+        start = time.monotonic()
+        try:
+            if req.launcher == "direct":
+                for rank in range(req.nproc):
+                    self._spawn(command, direct_env(env, rank, req.nproc, port), log)
+            else:
+                self._spawn(command, env, log)
+            self._supervise(result, start)
+        finally:
+            result.duration_s = time.monotonic() - start
+            result.leftovers = self._cleanup()
+            log.close()
+            self._collect_exit_codes(result)
+        return result
+
+    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log) -> None:
+        proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self._procs.append(proc)
+        self._remember(proc.pid)
+
+    def _supervise(self, result: LaunchResult, start: float) -> None:
+        req = self.request
+        deadline = start + req.timeout
+        failed_at: float | None = None
+        last_scan = 0.0
+        while True:
+            self._discover(result)
+            now = time.monotonic()
+            if now - last_scan > 0.25:
+                self._track_descendants()
+                last_scan = now
+            codes = [p.poll() for p in self._procs]
+            if all(code is not None for code in codes):
+                return
+            if req.launcher == "direct" and failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now  # like torchrun: one failed rank ends the launch, after a grace
+            if failed_at is not None and now - failed_at > _FAIL_FAST_GRACE_S:
+                return
+            if now >= deadline:
+                result.timed_out = True
+                self._dump_stacks(result)
+                return
+            time.sleep(_TICK_S)
+
+    def _discover(self, result: LaunchResult) -> None:
+        for rank in range(self.request.nproc):
+            if rank in result.pids:
+                continue
+            try:
+                pid = json.loads(rank_file(self.request.workdir, rank, "hello").read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+            result.pids[rank] = pid
+            self._remember(pid)
+            self.on_rank(rank, pid)
+
+    def _remember(self, pid: int) -> None:
+        if pid not in self._seen:
+            try:
+                self._seen[pid] = psutil.Process(pid)
+            except psutil.Error:
+                pass
+
+    def _track_descendants(self) -> None:
+        for proc in list(self._seen.values()):
+            try:
+                for child in proc.children(recursive=True):
+                    self._seen.setdefault(child.pid, child)
+            except psutil.Error:
+                continue
+
+    def _dump_stacks(self, result: LaunchResult) -> None:
+        """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) before killing it."""
+        for pid in result.pids.values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(_STACK_DUMP_WAIT_S)
+        for rank in result.pids:
+            try:
+                text = rank_file(self.request.workdir, rank, "stack").read_text(errors="replace")
+            except OSError:
+                continue
+            if text.strip():
+                result.stacks[rank] = text
+
+    def _cleanup(self) -> list[int]:
+        """SIGTERM every group and known process, then SIGKILL what is left; return survivors.
+
+        Our own children are reaped through Popen (psutil would steal their exit status).
+        """
+        self._track_descendants()
+        own = {proc.pid for proc in self._procs}
+        for proc in self._procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        others = [p for p in self._alive(self._seen.values()) + self._strays() if p.pid not in own]
+        for proc in others:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            _signal_group(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+        alive = alive + [p for p in self._strays() if p.pid not in own]
+        for proc in alive:
+            _signal(proc, signal.SIGKILL)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=_TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=_TERM_GRACE_S)
+        survivors = self._alive(alive) + self._strays()
+        survivors += [psutil.Process(p.pid) for p in self._procs if p.poll() is None]
+        return sorted({p.pid for p in survivors})
+
+    def _strays(self) -> list[psutil.Process]:
+        """Processes of this launch that escaped the tree (setsid, double fork): found by env."""
+        marker = f"{LAUNCH_ID_ENV}={self.launch_id}".encode()
+        me = os.getpid()
+        strays = []
+        for proc in psutil.process_iter():
+            if proc.pid == me:
+                continue
+            try:
+                data = Path(f"/proc/{proc.pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if marker in data.split(b"\0") and proc.status() != psutil.STATUS_ZOMBIE:
+                strays.append(proc)
+        return strays
+
+    @staticmethod
+    def _alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+        alive = []
+        for proc in procs:
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                pass
+        return alive
+
+    def _collect_exit_codes(self, result: LaunchResult) -> None:
+        codes = [p.returncode for p in self._procs]
+        if self.request.launcher == "direct":
+            result.returncodes = {rank: code for rank, code in enumerate(codes) if code is not None}
+        else:
+            result.launcher_returncode = codes[0] if codes else None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def describe_returncode(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,232 @@
+"""pytest glue only: options, ini keys, the marker, collection, the item that launches, the table.
+
+In the pytest session a user starts, a marked test becomes a :class:`GpumemItem` whose run
+launches the ranks. Inside each rank (``GPUMEM_WORKDIR`` set by ``pytest_gpumem.rank``) the same
+test runs as an ordinary test, body, fixtures and parameters included, and its outcome is written
+for the parent to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import settings as settings_mod
+from .rank import WORKDIR_ENV, rank_file, write_json_atomic
+from .report import record, table
+from .runner import Runner, TestRun
+from .spec import Spec, SpecError, parse_marker
+from .verdict import judge
+
+gpumem = pytest.mark.gpumem
+"""``from pytest_gpumem import gpumem`` is this marker."""
+
+_RECORD_KEY = "gpumem"
+_MARKER_DOC = (
+    "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
+    "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=()): "
+    "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpumem", "distributed peak-memory gates (pytest-gpumem)")
+    group.addoption("--gpumem", action="store_true", default=False,
+                    help="run gpumem tests as real multi-process launches (skipped otherwise)")
+    group.addoption("--gpumem-refresh", action="store_true", default=False,
+                    help="rewrite the stored baselines of the gpumem tests that run")
+    for opt in settings_mod.OPTIONS:
+        group.addoption(opt.flag, dest=f"gpumem_{opt.name}", default=None, help=opt.help)
+        parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default})", default=None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", _MARKER_DOC)
+    if os.environ.get(WORKDIR_ENV):
+        config.pluginmanager.register(RankSide(config, Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
+        return
+    try:
+        resolved = settings_mod.resolve(
+            cli={o.name: config.getoption(f"gpumem_{o.name}") for o in settings_mod.OPTIONS},
+            env=os.environ,
+            ini={o.name: config.getini(o.ini) for o in settings_mod.OPTIONS},
+            rootdir=Path(config.rootpath),
+            enabled=bool(config.getoption("gpumem") or config.getoption("gpumem_refresh")),
+            refresh=bool(config.getoption("gpumem_refresh")),
+        )
+    except settings_mod.SettingsError as exc:
+        raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+    config.pluginmanager.register(ParentSide(config, resolved), "gpumem-parent")
+
+
+class GpumemFailed(Exception):
+    """A gpumem test failed: the message is the whole, self-contained explanation."""
+
+
+class GpumemItem(pytest.Item):
+    """Stands in for a marked test in the user's session: running it launches the ranks."""
+
+    def __init__(self, *, spec: Spec, original: pytest.Item, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.original = original
+        self.own_markers = list(original.own_markers)
+        self.keywords.update(original.keywords)
+
+    def runtest(self) -> None:
+        self.config.pluginmanager.get_plugin("gpumem-parent").run_item(self)
+
+    def reportinfo(self):
+        return self.original.reportinfo()
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, GpumemFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+
+def _spec_for(item: pytest.Item, defaults) -> Spec | None:
+    marker = item.get_closest_marker("gpumem")
+    if marker is None:
+        return None
+    try:
+        return parse_marker(marker.args, marker.kwargs, defaults)
+    except SpecError as exc:
+        raise pytest.Collector.CollectError(f"{item.nodeid}: invalid gpumem marker: {exc}") from None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    """Validate marker arguments as the test is collected, so a typo is a collection error."""
+    result = yield
+    parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
+    items = result if isinstance(result, list) else [result]
+    for item in items:
+        if isinstance(item, pytest.Item) and parent is not None:
+            spec = _spec_for(item, parent.settings.defaults())
+            if spec is not None:
+                parent.specs[item.nodeid] = spec
+    return result
+
+
+class ParentSide:
+    """The user's session: skips without --gpumem, launches with it, prints the table."""
+
+    def __init__(self, config: pytest.Config, resolved: settings_mod.Settings) -> None:
+        self.config = config
+        self.settings = resolved
+        self.specs: dict[str, Spec] = {}
+        self.records: list[dict[str, Any]] = []
+        interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
+        self.runner = Runner(
+            cwd=Path(config.invocation_params.dir),
+            rootdir=Path(config.rootpath),
+            rank_pytest_args=self.rank_pytest_args,
+            host_interval_s=interval,
+        )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items: list[pytest.Item]) -> None:
+        for index, item in enumerate(items):
+            spec = self.specs.get(item.nodeid)
+            if spec is None:
+                continue
+            if not self.settings.enabled:
+                sizes = ", ".join(map(str, spec.sizes))
+                item.add_marker(pytest.mark.skip(
+                    reason=f"gpumem test (launches nproc {sizes}): run with pytest --gpumem"))
+                continue
+            items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item)
+
+    def rank_pytest_args(self, test_id: str) -> list[str]:
+        """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games."""
+        config = self.config
+        path, _, rest = test_id.partition("::")
+        args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--runxfail",
+                "--rootdir", str(config.rootpath)]
+        if config.inipath is not None:
+            args += ["-c", str(config.inipath)]
+        if config.pluginmanager.hasplugin("xdist"):
+            args += ["-n", "0"]  # the ini's addopts may ask for workers: not inside a rank
+        if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+            args += ["-p", "pytest_gpumem.plugin"]
+        target = str(Path(config.rootpath) / path) + ("::" + rest if rest else "")
+        return [*args, target]
+
+    def run_item(self, item: GpumemItem) -> None:
+        test = self.runner.run(item.nodeid, item.spec)
+        verdict = None
+        if test.skip_reason is None and not test.problems:
+            verdict = judge(item.spec, test.results)
+        status = _status(test, verdict)
+        item.user_properties.append((_RECORD_KEY, json.dumps(record(test, verdict, status, {}))))
+        if test.skip_reason is not None:
+            pytest.skip(test.skip_reason)
+        if test.problems:
+            raise GpumemFailed("\n".join(test.problems))
+        assert verdict is not None
+        if not verdict.passed:
+            raise GpumemFailed(verdict.render())
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for key, value in report.user_properties:
+            if key == _RECORD_KEY:
+                rec = json.loads(value)
+                if hasattr(report, "wasxfail"):
+                    rec["status"] = "XFAIL" if report.skipped else "XPASS"
+                self.records.append(rec)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.records:
+            return
+        terminalreporter.section("gpumem: peak memory per rank")
+        for line in table(sorted(self.records, key=lambda r: r["test"])):
+            terminalreporter.write_line(line)
+
+
+def _status(test: TestRun, verdict) -> str:
+    if test.skip_reason is not None:
+        return "skip"
+    if test.problems:
+        return "ERROR"
+    return "pass" if verdict is not None and verdict.passed else "FAIL"
+
+
+class RankSide:
+    """Inside a rank: run the test normally and write its outcome for the parent."""
+
+    def __init__(self, config: pytest.Config, workdir: Path) -> None:
+        self.workdir = workdir
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.outcome: dict[str, str] | None = None
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self._set("failed", f"collection error in the rank:\n{report.longreprtext}")
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self._set("failed", f"[{report.when}] {report.longreprtext}")
+        elif report.skipped and report.when in ("setup", "call"):
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self._set("skipped", reason)
+        elif report.passed and report.when == "call" and self.outcome is None:
+            self.outcome = {"outcome": "passed", "text": ""}
+
+    def _set(self, outcome: str, text: str) -> None:
+        if self.outcome is None or self.outcome["outcome"] != "failed":
+            self.outcome = {"outcome": outcome, "text": text}
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        outcome = self.outcome or {
+            "outcome": "failed",
+            "text": f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
+                    "was the test id collected the same way inside the rank?",
+        }
+        write_json_atomic(rank_file(self.workdir, self.rank, "result"), outcome)

@@ -1,0 +1,107 @@
+"""What runs inside a rank: ``python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]``.
+
+Whatever launcher started it, the rank announces its pid (so the parent can sample it), sends
+its output to a per-rank log, arms a stack dump on SIGUSR1 (used before a hung launch is
+killed), runs the target, and at exit writes its exact peak resident set (``ru_maxrss``) and
+the versions of the frameworks it imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import resource
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+WORKDIR_ENV = "GPUMEM_WORKDIR"
+LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
+
+
+def rank_file(workdir: Path, rank: int, kind: str) -> Path:
+    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peak), ``result`` (test outcome)."""
+    return workdir / f"rank-{rank}.{kind}"
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def framework_versions() -> dict[str, str]:
+    """Versions of the frameworks this rank actually imported (they move memory the most)."""
+    found: dict[str, str] = {}
+    flow = sys.modules.get("oneflow")
+    if flow is not None:
+        found["oneflow"] = str(getattr(flow, "__version__", "?"))
+        commit = getattr(flow, "__git_commit__", None)
+        if commit:
+            found["oneflow_commit"] = str(commit)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        found["torch"] = str(getattr(torch, "__version__", "?"))
+        version = getattr(torch, "version", None)
+        for attr, key in (("cuda", "torch_cuda"), ("git_version", "torch_commit")):
+            value = getattr(version, attr, None)
+            if value:
+                found[key] = str(value)
+        nccl = getattr(getattr(torch, "cuda", None), "nccl", None)
+        try:
+            found["nccl"] = ".".join(map(str, nccl.version())) if nccl is not None else ""
+        except Exception:  # no CUDA build: there is no NCCL to report
+            pass
+        found = {k: v for k, v in found.items() if v}
+    return found
+
+
+def _report_exit(workdir: Path, rank: int) -> None:
+    maxrss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.platform == "darwin":  # bytes there, KiB on Linux
+        maxrss_kib //= 1024
+    write_json_atomic(
+        rank_file(workdir, rank, "exit"),
+        {"pid": os.getpid(), "maxrss_kib": maxrss_kib, "frameworks": framework_versions()},
+    )
+
+
+def _redirect_output(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
+        raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]")
+    mode, target, args = argv[0], argv[1], argv[2:]
+    workdir = Path(os.environ[WORKDIR_ENV])
+    rank = int(os.environ.get("RANK", "0"))
+
+    _redirect_output(rank_file(workdir, rank, "log"))
+    stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
+    atexit.register(_report_exit, workdir, rank)
+
+    if mode == "pytest":
+        sys.argv = ["pytest", target, *args]
+        runpy.run_module("pytest", run_name="__main__", alter_sys=True)
+    elif mode == "script":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    else:
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

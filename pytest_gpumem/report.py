@@ -1,0 +1,81 @@
+"""Session outputs: one record per test (JSON-able), the end-of-session table."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from .runner import TestRun
+from .verdict import Verdict
+
+
+def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mapping[int, float]) -> dict[str, Any]:
+    """Everything about one test that outlives the process: sent to the xdist controller as JSON."""
+    spec = test.spec
+    sizes = []
+    for result in test.results:
+        label, gated = result.gated(spec.rank)
+        sizes.append({
+            "nproc": result.world_size,
+            "device": result.device,
+            "gated_rank": label,
+            "gated_mib": gated,
+            "others_max_mib": result.others_max(spec.rank),
+            "ratio": verdict.ratio(result.world_size) if verdict else None,
+            "baseline_mib": baselines.get(result.world_size),
+            "ranks": {str(r): p.mib for r, p in sorted(result.peaks.items())},
+            "methods": {str(r): p.method for r, p in sorted(result.peaks.items())},
+            "host_ranks": {str(r): p.mib for r, p in sorted(result.host_peaks.items())},
+            "duration_s": round(result.duration_s, 3),
+            "reused": result.reused,
+            "timeline": [[round(t, 4), {str(r): round(v, 2) for r, v in point.items()}]
+                         for t, point in result.timeline],
+            "failed": bool(verdict and any(c.world_size == result.world_size for c in verdict.failures)),
+        })
+    return {
+        "test": test.test_id,
+        "status": status,
+        "nproc": list(spec.nproc),
+        "launcher": spec.launcher,
+        "limits": {"max_mib": spec.max_mib, "max_ratio": spec.max_ratio, "allow_mib": spec.allow_mib,
+                   "rank": spec.rank, "tolerance": str(spec.tolerance)},
+        "sizes": sizes,
+        "frameworks": test.frameworks,
+        "messages": [str(c) for c in verdict.failures] if verdict else [],
+        "notes": list(verdict.notes) if verdict else [],
+    }
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def table(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Fixed-width table, one row per test and world size."""
+    records = list(records)
+    header = ("test", "nproc", "gated peak MiB", "others max", "ratio", "baseline", "device", "verdict")
+    rows: list[tuple[str, ...]] = []
+    for rec in records:
+        if not rec["sizes"]:
+            rows.append((rec["test"], ",".join(map(str, rec["nproc"])), "-", "-", "-", "-", "-", rec["status"]))
+        for size in rec["sizes"]:
+            verdict = rec["status"]
+            if rec["status"] in ("FAIL", "XFAIL") and not size["failed"]:
+                verdict = "ok"
+            nproc = str(size["nproc"]) + ("*" if size["reused"] else "")
+            rows.append((
+                rec["test"],
+                nproc,
+                f"{_mib(size['gated_mib'])} ({size['gated_rank']})",
+                _mib(size["others_max_mib"]),
+                "-" if size["ratio"] is None else f"{size['ratio']:.2f}x",
+                _mib(size["baseline_mib"]),
+                size["device"],
+                verdict,
+            ))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    line = lambda row: "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()  # noqa: E731
+    out = [line(header), line(tuple("-" * w for w in widths))]
+    out.extend(line(row) for row in rows)
+    if any(size["reused"] for rec in records for size in rec["sizes"]):
+        out.append("* nproc=1 reference reused from an earlier launch in this session")
+    return out

@@ -1,0 +1,285 @@
+"""Runs one gpumem test: launch each world size, measure every rank, read what each rank said.
+
+The nproc=1 reference that a ratio needs is launched once and reused by every later test with
+the same launch parameters in this session (same test id in body mode; same program, args and
+env in script mode).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
+from .rank import rank_file
+from .sampling import Peak
+from .sampling.host import HostSampler
+from .spec import Spec
+from .verdict import SizeResult
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    outcome: str  # passed | failed | skipped | missing
+    text: str = ""
+
+
+@dataclass
+class SizeRun:
+    """One launch at one world size and everything learnt from it."""
+
+    result: SizeResult
+    launch: LaunchResult
+    outcomes: dict[int, RankOutcome]
+    problems: list[str] = field(default_factory=list)
+    frameworks: dict[str, str] = field(default_factory=dict)
+    gpu_problems: list[str] = field(default_factory=list)
+
+    @property
+    def all_skipped(self) -> str | None:
+        texts = {o.text for o in self.outcomes.values() if o.outcome == "skipped"}
+        if self.outcomes and all(o.outcome == "skipped" for o in self.outcomes.values()):
+            return "; ".join(sorted(texts))
+        return None
+
+
+@dataclass
+class TestRun:
+    test_id: str
+    spec: Spec
+    runs: list[SizeRun] = field(default_factory=list)
+    skip_reason: str | None = None
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for run in self.runs for p in run.problems]
+
+    @property
+    def results(self) -> list[SizeResult]:
+        return [run.result for run in self.runs]
+
+    @property
+    def frameworks(self) -> dict[str, str]:
+        for run in reversed(self.runs):
+            if run.frameworks:
+                return run.frameworks
+        return {}
+
+
+# GPU plumbing is injected so the runner stays testable on machines without GPUs.
+GpuSetup = Callable[[Spec, int], "GpuPlan"]
+
+
+@dataclass
+class GpuPlan:
+    """What a launch gets on the GPU side: visible devices for the ranks and a sampler."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    sampler: object | None = None  # a sampling.Sampler
+    release: Callable[[], None] = lambda: None
+    skip_reason: str | None = None
+
+
+def no_gpus(spec: Spec, nproc: int) -> GpuPlan:
+    if spec.device == "gpu":
+        return GpuPlan(skip_reason=f"device='gpu' needs {nproc} GPU(s) but this machine has 0")
+    return GpuPlan()
+
+
+class Runner:
+    def __init__(
+        self,
+        *,
+        cwd: Path,
+        rootdir: Path,
+        rank_pytest_args: Callable[[str], list[str]],
+        gpu_setup: GpuSetup = no_gpus,
+        host_interval_s: float | None = None,
+        keep_workdirs: bool = False,
+    ) -> None:
+        self.cwd = cwd
+        self.rootdir = rootdir
+        self.rank_pytest_args = rank_pytest_args
+        self.gpu_setup = gpu_setup
+        self.host_interval_s = host_interval_s
+        self.keep_workdirs = keep_workdirs
+        self.launches = 0
+        self._references: dict[tuple, SizeRun] = {}
+
+    def run(self, test_id: str, spec: Spec) -> TestRun:
+        test = TestRun(test_id, spec)
+        for nproc in spec.sizes:
+            key = (test_id if spec.body_mode else None, spec.launch_key())
+            reused = self._references.get(key) if nproc == 1 else None
+            if reused is not None:
+                run = SizeRun(
+                    result=replace(reused.result, reused=True),
+                    launch=reused.launch,
+                    outcomes=reused.outcomes,
+                    frameworks=reused.frameworks,
+                )
+            else:
+                run = self._launch(test_id, spec, nproc)
+                if run is None:
+                    test.skip_reason = self._last_skip
+                    return test
+                if nproc == 1 and not run.problems and run.all_skipped is None:
+                    self._references[key] = run
+            test.runs.append(run)
+            skipped = run.all_skipped
+            if skipped is not None:
+                test.skip_reason = skipped
+                return test
+            if run.problems:
+                return test  # a broken launch says more than any memory figure
+        return test
+
+    _last_skip: str | None = None
+
+    def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
+        if spec.script is not None:
+            script = Path(spec.script)
+            if not script.is_absolute():
+                script = self.rootdir / script
+            return ("script", str(script), *spec.args)
+        if spec.module is not None:
+            return ("module", spec.module, *spec.args)
+        return ("pytest", *self.rank_pytest_args(test_id))
+
+    def _launch(self, test_id: str, spec: Spec, nproc: int) -> SizeRun | None:
+        plan = self.gpu_setup(spec, nproc)
+        if plan.skip_reason:
+            self._last_skip = plan.skip_reason
+            return None
+        workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
+        host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
+        samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
+
+        def on_rank(rank: int, pid: int) -> None:
+            for sampler in samplers:
+                sampler.add_process(rank, pid)
+
+        request = LaunchRequest(
+            launcher=spec.launcher,
+            nproc=nproc,
+            rank_argv=self._rank_argv(test_id, spec),
+            env={**dict(spec.env), **plan.env},
+            cwd=self.cwd,
+            workdir=workdir,
+            timeout=spec.timeout,
+        )
+        for sampler in samplers:
+            sampler.start()
+        try:
+            self.launches += 1
+            launch = Launch(request, on_rank).run()
+        finally:
+            for sampler in samplers:
+                sampler.stop()
+            plan.release()
+        try:
+            return self._read(spec, nproc, workdir, launch, host, plan.sampler)
+        finally:
+            if not self.keep_workdirs:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def _read(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
+              host: HostSampler, gpu) -> SizeRun:
+        frameworks: dict[str, str] = {}
+        exited: set[int] = set()
+        for rank in range(nproc):
+            try:
+                data = json.loads(rank_file(workdir, rank, "exit").read_text())
+            except (OSError, ValueError):
+                continue
+            exited.add(rank)
+            host.report_exit_peak(rank, float(data["maxrss_kib"]))
+            if rank == 0:
+                frameworks = dict(data.get("frameworks", {}))
+        host_peaks = host.peaks()
+        gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
+        use_gpu = spec.device == "gpu" or (
+            spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
+        )
+        peaks = gpu_peaks if use_gpu else host_peaks
+        timeline = (gpu if use_gpu else host).timeline()
+        result = SizeResult(
+            world_size=nproc,
+            device="gpu" if use_gpu else "cpu",
+            peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
+            host_peaks=host_peaks,
+            timeline=tuple(timeline),
+            duration_s=launch.duration_s,
+        )
+        outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
+        run = SizeRun(result=result, launch=launch, outcomes=outcomes, frameworks=frameworks,
+                      gpu_problems=list(getattr(gpu, "problems", []) or []))
+        run.problems = self._problems(spec, run, workdir)
+        return run
+
+    def _outcomes(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
+                  exited: set[int]) -> dict[int, RankOutcome]:
+        outcomes: dict[int, RankOutcome] = {}
+        for rank in range(nproc):
+            code = launch.returncodes.get(rank)
+            if spec.body_mode:
+                try:
+                    data = json.loads(rank_file(workdir, rank, "result").read_text())
+                    outcomes[rank] = RankOutcome(rank, data["outcome"], data.get("text", ""))
+                    continue
+                except (OSError, ValueError, KeyError):
+                    pass
+            elif rank in exited and code in (None, 0) and launch.launcher_returncode in (None, 0):
+                outcomes[rank] = RankOutcome(rank, "passed")
+                continue
+            elif rank in exited and (code or launch.launcher_returncode):
+                outcomes[rank] = RankOutcome(rank, "failed", _exit_text(launch, rank))
+                continue
+            outcomes[rank] = RankOutcome(rank, "missing", _exit_text(launch, rank))
+        return outcomes
+
+    def _problems(self, spec: Spec, run: SizeRun, workdir: Path) -> list[str]:
+        launch, n = run.launch, run.launch.nproc
+        problems: list[str] = []
+        if launch.timed_out:
+            running = sorted(r for r, o in run.outcomes.items() if o.outcome == "missing")
+            text = (f"launch timed out after {spec.timeout:g} s at nproc={n} "
+                    f"(launcher {launch.launcher}); ranks without a result: {running or 'none'}")
+            for rank, stack in sorted(launch.stacks.items()):
+                text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
+            problems.append(text)
+        for rank, outcome in sorted(run.outcomes.items()):
+            if outcome.outcome == "failed":
+                problems.append(f"rank {rank} of {n} failed:\n{outcome.text.rstrip()}")
+            elif outcome.outcome == "missing" and not launch.timed_out:
+                tail = launch.rank_log(workdir, rank)
+                problems.append(
+                    f"rank {rank} of {n} ended without a result ({outcome.text})"
+                    + (f"; last lines of its output:\n{tail}" if tail else "")
+                )
+        if launch.leftovers:
+            problems.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
+        if problems and launch.launcher != "direct":
+            log = _tail(workdir / "launcher.log", 15)
+            if log:
+                problems.append(f"{launch.launcher} launcher output (last lines):\n{log}")
+        return problems
+
+
+def _exit_text(launch: LaunchResult, rank: int) -> str:
+    if launch.launcher == "direct":
+        return describe_returncode(launch.returncodes.get(rank))
+    return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+

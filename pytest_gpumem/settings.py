@@ -1,0 +1,199 @@
+"""Session settings: command line > environment > ini file > default, resolved once.
+
+Every option is declared once in :data:`OPTIONS`; ``plugin.py`` turns the table into pytest
+options and ini keys, ``cli.py`` reads the same table. A bad value names where it came from:
+``Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .spec import DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names its source and what is accepted."""
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError("not a finite number > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise ValueError("not a finite number >= 0")
+    return value
+
+
+def _ratio(text: str) -> float | None:
+    if text.strip().lower() in ("", "none", "off"):
+        return None
+    return _positive_float(text)
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(text)
+        return text
+
+    return parse
+
+
+def _tolerance(text: str) -> Tolerance:
+    try:
+        return parse_tolerance(text)
+    except SpecError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting, declared once for the command line, the environment and the ini file."""
+
+    name: str
+    flag: str
+    env: str | None
+    ini: str
+    parse: Callable[[str], Any]
+    default: str
+    accepted: str
+    help: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("launcher", "--gpumem-launcher", "GPUMEM_LAUNCHER", "gpumem_launcher",
+           _choice(LAUNCHERS), "direct", "one of " + ", ".join(LAUNCHERS),
+           "default launcher for gpumem tests (direct spawns the ranks itself: no launcher start-up cost)"),
+    Option("timeout", "--gpumem-timeout", "GPUMEM_TIMEOUT", "gpumem_timeout",
+           _positive_float, "600", "a number of seconds > 0",
+           "default seconds for a whole launch before every rank is killed"),
+    Option("max_ratio", "--gpumem-max-ratio", "GPUMEM_MAX_RATIO", "gpumem_max_ratio",
+           _ratio, "none", "a number > 0, or none",
+           "default cap on peak(N)/peak(1) of the gated rank (none: no ratio check)"),
+    Option("allow_mib", "--gpumem-allow-mib", "GPUMEM_ALLOW_MIB", "gpumem_allow_mib",
+           _non_negative_float, "0", "a number of MiB >= 0",
+           "default MiB allowed on top of the ratio for buffers that exist only when N > 1"),
+    Option("tolerance", "--gpumem-tolerance", "GPUMEM_TOLERANCE", "gpumem_tolerance",
+           _tolerance, "5%+32MiB", 'a string like "5%", "256MiB" or "5%+256MiB"',
+           "default allowed drift above a stored baseline"),
+    Option("device", "--gpumem-device", "GPUMEM_DEVICE", "gpumem_device",
+           _choice(DEVICES), "auto", "one of " + ", ".join(DEVICES),
+           "default memory that is gated: auto (GPU where the ranks use one, host otherwise), gpu, cpu"),
+    Option("interval_ms", "--gpumem-interval-ms", "GPUMEM_INTERVAL_MS", "gpumem_interval_ms",
+           _positive_float, "0", "a number of milliseconds > 0 (0: each sampler's default)",
+           "sampling period; host peaks come from the kernel's high-water mark whatever the period"),
+    Option("baselines", "--gpumem-baselines", "GPUMEM_BASELINES", "gpumem_baselines",
+           str, "baselines", "a folder path, relative to the rootdir",
+           "folder of the stored baselines"),
+    Option("missing_baseline", "--gpumem-missing-baseline", "GPUMEM_MISSING_BASELINE",
+           "gpumem_missing_baseline", _choice(("auto", "warn", "fail", "ignore")), "auto",
+           "one of auto, warn, fail, ignore",
+           "what a test without a baseline does: auto = fail when CI is set, warn otherwise"),
+    Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
+           str, "", "a file path", "write a JSON report of every gpumem test to this file"),
+)
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+_OPTIONS_SPARED_FROM_ZERO = {"interval_ms"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved session settings."""
+
+    enabled: bool
+    refresh: bool
+    launcher: str
+    timeout: float
+    max_ratio: float | None
+    allow_mib: float
+    tolerance: Tolerance
+    device: str
+    interval_ms: float
+    baselines: Path
+    missing_baseline: str
+    report: Path | None
+
+    def defaults(self) -> Defaults:
+        return Defaults(
+            launcher=self.launcher,
+            timeout=self.timeout,
+            max_ratio=self.max_ratio,
+            allow_mib=self.allow_mib,
+            tolerance=self.tolerance,
+            device=self.device,
+        )
+
+    @property
+    def fail_on_missing_baseline(self) -> bool | None:
+        """True: fail, False: warn, None: say nothing."""
+        mode = self.missing_baseline
+        if mode == "auto":
+            return bool(os.environ.get("CI"))
+        return {"fail": True, "warn": False, "ignore": None}[mode]
+
+
+def _parse(option: Option, text: str, source: str) -> Any:
+    if option.name in _OPTIONS_SPARED_FROM_ZERO and text.strip() == "0":
+        return 0.0
+    try:
+        return option.parse(text)
+    except (ValueError, TypeError):
+        raise SettingsError(
+            f"Invalid {option.ini} {text!r} from {source}: expected {option.accepted}"
+        ) from None
+
+
+def resolve(
+    cli: Mapping[str, str | None],
+    env: Mapping[str, str],
+    ini: Mapping[str, str | None],
+    *,
+    rootdir: Path,
+    enabled: bool,
+    refresh: bool,
+) -> Settings:
+    """Take each value from the first source that sets it: command line, environment, ini, default."""
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        if cli.get(option.name) is not None:
+            text, source = str(cli[option.name]), f"the command line ({option.flag})"
+        elif option.env and env.get(option.env):
+            text, source = env[option.env], f"the {option.env} environment variable"
+        elif ini.get(option.name):
+            text, source = str(ini[option.name]), "the ini file"
+        else:
+            text, source = option.default, "the default"
+        values[option.name] = _parse(option, text, source)
+    baselines = Path(values.pop("baselines"))
+    report = values.pop("report")
+    return Settings(
+        enabled=enabled,
+        refresh=refresh,
+        baselines=baselines if baselines.is_absolute() else rootdir / baselines,
+        report=Path(report) if report else None,
+        **values,
+    )
+
+
+def option(name: str) -> Option:
+    return _BY_NAME[name]

@@ -1,0 +1,247 @@
+"""Marker arguments -> a validated, frozen :class:`Spec`.
+
+Validation happens here, at collection, so a typo fails before any process is launched.
+Every error names the argument and what is accepted; the caller adds the test id.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+LAUNCHERS = ("direct", "oneflow", "torchrun")
+DEVICES = ("auto", "gpu", "cpu")
+MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
+
+
+class SpecError(ValueError):
+    """A marker, ini or option value that cannot be used; the message says what is accepted."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Allowed drift above a baseline: a relative part, an absolute part, or both (the larger wins)."""
+
+    percent: float | None = None
+    mib: float | None = None
+
+    def allowance(self, baseline_mib: float) -> float:
+        parts = [0.0]
+        if self.percent is not None:
+            parts.append(baseline_mib * self.percent / 100.0)
+        if self.mib is not None:
+            parts.append(self.mib)
+        return max(parts)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.percent is not None:
+            parts.append(f"{self.percent:g}%")
+        if self.mib is not None:
+            parts.append(f"{self.mib:g}MiB")
+        return "+".join(parts) or "0"
+
+
+_TOL_PART = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|MiB|GiB)\s*$")
+
+
+def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
+    """Parse ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"5%+256MiB"`` (also a comma or a list)."""
+    accepted = 'a string like "5%", "256MiB" or "5%+256MiB"'
+    if isinstance(value, Tolerance):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [str(v) for v in value]
+    elif isinstance(value, str):
+        items = re.split(r"[+,]", value)
+    else:
+        raise SpecError(f"{what}={value!r} is not accepted: expected {accepted}")
+    percent: float | None = None
+    mib: float | None = None
+    for item in items:
+        m = _TOL_PART.match(item)
+        if not m:
+            raise SpecError(f"{what}={value!r} is not accepted: expected {accepted} (non-negative)")
+        number, unit = float(m.group(1)), m.group(2)
+        if unit == "%":
+            percent = number
+        else:
+            mib = number * (1024.0 if unit == "GiB" else 1.0)
+    return Tolerance(percent=percent, mib=mib)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Values that the ini file / options supply when the marker leaves them out."""
+
+    launcher: str = "direct"
+    timeout: float = 600.0
+    max_ratio: float | None = None
+    allow_mib: float = 0.0
+    tolerance: Tolerance = field(default_factory=lambda: Tolerance(percent=5.0, mib=32.0))
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one ``gpumem`` marker asks for, fully resolved against the defaults."""
+
+    nproc: tuple[int, ...]
+    max_mib: float | None
+    max_ratio: float | None
+    allow_mib: float
+    rank: int | str
+    device: str
+    launcher: str
+    timeout: float
+    tolerance: Tolerance
+    env: tuple[tuple[str, str], ...] = ()
+    script: str | None = None
+    module: str | None = None
+    args: tuple[str, ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """World sizes to launch: the requested ones plus 1 when a ratio needs its reference."""
+        sizes = set(self.nproc)
+        if self.max_ratio is not None:
+            sizes.add(1)
+        return tuple(sorted(sizes))
+
+    @property
+    def reference_added(self) -> bool:
+        return 1 in self.sizes and 1 not in self.nproc
+
+    @property
+    def body_mode(self) -> bool:
+        return self.script is None and self.module is None
+
+    def launch_key(self) -> tuple[Any, ...]:
+        """What makes two launches interchangeable (everything but the world size and limits)."""
+        return (self.launcher, self.device, self.env, self.script, self.module, self.args)
+
+
+_ARGS = (
+    "nproc",
+    "max_mib",
+    "max_ratio",
+    "allow_mib",
+    "rank",
+    "device",
+    "launcher",
+    "timeout",
+    "tolerance",
+    "env",
+    "script",
+    "module",
+    "args",
+)
+_UNSET = object()
+
+
+def _number(name: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{name}={value!r} is not accepted: expected a number")
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise SpecError(f"{name}={value!r} is not accepted: expected a finite number")
+    if positive and (number < 0 or (number == 0 and not allow_zero)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise SpecError(f"{name}={value!r} is not accepted: expected a number {bound}")
+    return number
+
+
+def _nproc(value: Any) -> tuple[int, ...]:
+    accepted = f"an int or a list of ints from 1 to {MAX_NPROC}"
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= MAX_NPROC:
+            raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
+    if len(set(items)) != len(items):
+        raise SpecError(f"nproc={value!r} is not accepted: the sizes must be distinct")
+    return tuple(sorted(items))
+
+
+def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Defaults) -> Spec:
+    """Validate one marker's arguments; ``gpumem(8)`` is ``gpumem(nproc=8)``."""
+    if len(args) > 1:
+        raise SpecError(f"takes at most one positional argument (nproc), got {len(args)}")
+    kw = dict(kwargs)
+    if args:
+        if "nproc" in kw:
+            raise SpecError("nproc is given both positionally and by name")
+        kw["nproc"] = args[0]
+    unknown = sorted(set(kw) - set(_ARGS))
+    if unknown:
+        raise SpecError(f"unknown argument {unknown[0]!r}: accepted are {', '.join(_ARGS)}")
+
+    nproc = _nproc(kw.get("nproc", 1))
+    max_mib = kw.get("max_mib")
+    if max_mib is not None:
+        max_mib = _number("max_mib", max_mib, positive=True)
+    ratio = kw.get("max_ratio", _UNSET)
+    max_ratio = defaults.max_ratio if ratio is _UNSET else ratio
+    if max_ratio is not None:
+        max_ratio = _number("max_ratio", max_ratio, positive=True)
+    allow = kw.get("allow_mib", defaults.allow_mib)
+    allow_mib = _number("allow_mib", allow, positive=True, allow_zero=True)
+
+    rank = kw.get("rank", 0)
+    if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise SpecError(f"rank={rank!r} is not accepted: expected an int >= 0 or 'all'")
+    if isinstance(rank, int) and rank >= min(nproc):
+        raise SpecError(
+            f"rank={rank!r} is not accepted: the smallest world size launched is {min(nproc)}, "
+            f"so rank must be below it (or 'all')"
+        )
+
+    device = kw.get("device", defaults.device)
+    if device not in DEVICES:
+        raise SpecError(f"device={device!r} is not accepted: expected one of {', '.join(DEVICES)}")
+    launcher = kw.get("launcher", defaults.launcher)
+    if launcher not in LAUNCHERS:
+        raise SpecError(f"launcher={launcher!r} is not accepted: expected one of {', '.join(LAUNCHERS)}")
+    timeout = _number("timeout", kw.get("timeout", defaults.timeout), positive=True)
+    tolerance = (
+        parse_tolerance(kw["tolerance"]) if "tolerance" in kw else defaults.tolerance
+    )
+
+    env = kw.get("env") or {}
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise SpecError(f"env={env!r} is not accepted: expected a dict of str to str")
+
+    script, module = kw.get("script"), kw.get("module")
+    if script is not None and module is not None:
+        raise SpecError("script and module are both given: expected at most one of them")
+    for name, value in (("script", script), ("module", module)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise SpecError(f"{name}={value!r} is not accepted: expected a non-empty string")
+    raw_args = kw.get("args", ())
+    if isinstance(raw_args, str) or not isinstance(raw_args, (list, tuple)) or not all(
+        isinstance(a, str) for a in raw_args
+    ):
+        raise SpecError(f"args={raw_args!r} is not accepted: expected a list of strings")
+    if raw_args and script is None and module is None:
+        raise SpecError("args is given without script or module: args are passed to that program")
+
+    return Spec(
+        nproc=nproc,
+        max_mib=max_mib,
+        max_ratio=max_ratio,
+        allow_mib=allow_mib,
+        rank=rank,
+        device=device,
+        launcher=launcher,
+        timeout=timeout,
+        tolerance=tolerance,
+        env=tuple(sorted(env.items())),
+        script=script,
+        module=module,
+        args=tuple(raw_args),
+    )

@@ -1,0 +1,183 @@
+"""Measurements + spec (+ baseline) -> a verdict that renders itself.
+
+Every failed check says the limit, the measured value, the unit, the rank and the world size:
+``rank 0 at nproc=8: peak 15190.0 MiB > 1.20 x 5734.0 MiB (nproc=1) + 0 MiB = 6880.8 MiB``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .sampling import Peak
+from .spec import Spec, Tolerance
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """Every rank's peak at one world size, in the memory that is gated (gpu or cpu)."""
+
+    world_size: int
+    device: str
+    peaks: Mapping[int, Peak]
+    host_peaks: Mapping[int, Peak] = field(default_factory=dict)
+    timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
+    duration_s: float = 0.0
+    reused: bool = False
+
+    def gated(self, rank: int | str) -> tuple[str, float | None]:
+        """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
+        if rank == "all":
+            known = [(p.mib, r) for r, p in self.peaks.items() if p.mib is not None]
+            if not known:
+                return "all ranks", None
+            mib, top = max(known)
+            return f"rank {top} (largest)", mib
+        peak = self.peaks.get(int(rank))
+        return f"rank {rank}", None if peak is None else peak.mib
+
+    def others_max(self, rank: int | str) -> float | None:
+        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != rank]
+        return max(values) if values else None
+
+    @property
+    def methods(self) -> str:
+        return ", ".join(sorted({p.method for p in self.peaks.values()})) or "not available"
+
+
+@dataclass(frozen=True)
+class BaselineRef:
+    mib: float
+    tolerance: Tolerance
+
+
+@dataclass(frozen=True)
+class Check:
+    """One limit at one world size; ``str()`` is the sentence a user reads."""
+
+    kind: str  # "max_mib" | "max_ratio" | "baseline" | "measured"
+    world_size: int
+    rank_label: str
+    device: str
+    measured_mib: float | None
+    limit_mib: float | None
+    ok: bool
+    detail: str
+
+    def __str__(self) -> str:
+        where = f"{self.rank_label} at nproc={self.world_size} ({self.device})"
+        if self.measured_mib is None:
+            return f"{where}: {self.detail}"
+        relation = "<=" if self.ok else ">"
+        return f"{where}: peak {self.measured_mib:.1f} MiB {relation} {self.detail}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    spec: Spec
+    results: tuple[SizeResult, ...]
+    checks: tuple[Check, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [check for check in self.checks if not check.ok]
+
+    def ratio(self, world_size: int) -> float | None:
+        by_size = {r.world_size: r for r in self.results}
+        if world_size == 1 or 1 not in by_size or world_size not in by_size:
+            return None
+        _, base = by_size[1].gated(self.spec.rank)
+        _, value = by_size[world_size].gated(self.spec.rank)
+        if base is None or value is None or base <= 0:
+            return None
+        return value / base
+
+    def summary_line(self) -> str:
+        """Every size on one line: ``nproc 1: 512.0 MiB | 2: 530.1 MiB (1.04x)``."""
+        parts = []
+        for result in self.results:
+            label, mib = result.gated(self.spec.rank)
+            text = f"{result.world_size}: " + ("n/a" if mib is None else f"{mib:.1f} MiB")
+            ratio = self.ratio(result.world_size)
+            if ratio is not None:
+                text += f" ({ratio:.2f}x)"
+            if any(c.world_size == result.world_size for c in self.failures):
+                text += " FAIL"
+            parts.append(text)
+        gated = "largest rank" if self.spec.rank == "all" else f"rank {self.spec.rank}"
+        return f"{gated} peak, nproc " + " | ".join(parts)
+
+    def render(self) -> str:
+        lines = []
+        failures = self.failures
+        if failures:
+            first = failures[0]
+            lines.append(f"gpumem: memory limit exceeded at nproc={first.world_size}")
+            lines.extend(f"  {check}" for check in failures)
+        lines.append("  " + self.summary_line())
+        for result in self.results:
+            ranks = ", ".join(
+                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}" for r, p in sorted(result.peaks.items())
+            )
+            reused = " (reference reused)" if result.reused else ""
+            lines.append(
+                f"  nproc={result.world_size} {result.device} MiB per rank {{{ranks}}} "
+                f"[{result.methods}]{reused}"
+            )
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def judge(
+    spec: Spec,
+    results: list[SizeResult],
+    baselines: Mapping[int, BaselineRef] | None = None,
+    notes: tuple[str, ...] = (),
+) -> Verdict:
+    """Apply every limit of ``spec`` (and the stored baselines) to every launched size."""
+    checks: list[Check] = []
+    extra_notes = list(notes)
+    by_size = {r.world_size: r for r in results}
+    _, reference = by_size[1].gated(spec.rank) if 1 in by_size else ("", None)
+    for result in sorted(results, key=lambda r: r.world_size):
+        n = result.world_size
+        label, mib = result.gated(spec.rank)
+
+        def check(kind: str, limit: float | None, ok: bool, detail: str) -> None:
+            checks.append(Check(kind, n, label, result.device, mib, limit, ok, detail))
+
+        if mib is None:
+            check("measured", None, False, f"no peak could be measured ({result.methods})")
+            continue
+        if spec.max_mib is not None:
+            check("max_mib", spec.max_mib, mib <= spec.max_mib, f"max_mib {spec.max_mib:.1f} MiB")
+        if spec.max_ratio is not None and n > 1 and reference is not None:
+            limit = spec.max_ratio * reference + spec.allow_mib
+            check(
+                "max_ratio",
+                limit,
+                mib <= limit,
+                f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
+                f" = {limit:.1f} MiB (ratio {mib / reference:.2f}x)",
+            )
+        base = (baselines or {}).get(n)
+        if base is not None and n in spec.nproc:
+            allowance = base.tolerance.allowance(base.mib)
+            limit = base.mib + allowance
+            check(
+                "baseline",
+                limit,
+                mib <= limit,
+                f"baseline {base.mib:.1f} MiB + tolerance {base.tolerance} = {limit:.1f} MiB",
+            )
+            if mib < base.mib - allowance:
+                extra_notes.append(
+                    f"{label} at nproc={n}: peak {mib:.1f} MiB is below the baseline "
+                    f"{base.mib:.1f} MiB by more than {base.tolerance}; refresh the baseline to tighten it"
+                )
+    return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes))
