@@ -1,0 +1,34 @@
+"""Shared helpers for the plugin's tests: a tag on every launch, and a process-table scan."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+TAG_ENV = "GPUMEM_SELFTEST_TAG"
+
+
+def processes_tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``tag``: any survivor of a launch."""
+    marker = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if marker in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+@pytest.fixture
+def launch_tag(monkeypatch: pytest.MonkeyPatch):
+    """Tags every process the test launches; afterwards none of them may be alive."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_ENV, tag)
+    yield tag
+    assert processes_tagged(tag) == [], "processes of the launch outlived the test"

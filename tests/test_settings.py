@@ -1,0 +1,61 @@
+"""Settings: command line > environment > ini > default, errors naming their source."""
+
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.settings import OPTIONS, SettingsError, resolve
+
+ROOT = Path("/project")
+
+
+def settings(cli=None, env=None, ini=None):
+    return resolve(cli or {}, env or {}, ini or {}, rootdir=ROOT, enabled=True, refresh=False)
+
+
+def test_defaults():
+    s = settings()
+    assert s.launcher == "direct" and s.timeout == 600 and s.max_ratio is None
+    assert s.baselines == ROOT / "baselines" and s.report is None
+
+
+def test_precedence_cli_over_env_over_ini():
+    ini = {"timeout": "30", "launcher": "torchrun", "max_ratio": "1.5"}
+    env = {"GPUMEM_TIMEOUT": "20", "GPUMEM_LAUNCHER": "oneflow"}
+    s = settings(cli={"timeout": "10"}, env=env, ini=ini)
+    assert s.timeout == 10 and s.launcher == "oneflow" and s.max_ratio == 1.5
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ({"ini": {"timeout": "soon"}}, "Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0"),
+        ({"env": {"GPUMEM_MAX_RATIO": "-2"}}, "Invalid gpumem_max_ratio '-2' from the GPUMEM_MAX_RATIO environment variable"),
+        ({"cli": {"launcher": "mpirun"}}, "Invalid gpumem_launcher 'mpirun' from the command line (--gpumem-launcher): expected one of direct, oneflow, torchrun"),
+        ({"ini": {"tolerance": "12 parsecs"}}, "Invalid gpumem_tolerance '12 parsecs' from the ini file"),
+        ({"ini": {"missing_baseline": "maybe"}}, "expected one of auto, warn, fail, ignore"),
+        ({"ini": {"allow_mib": "nan"}}, "Invalid gpumem_allow_mib 'nan'"),
+    ],
+)
+def test_bad_value_names_source_and_accepted(source, expected):
+    with pytest.raises(SettingsError) as info:
+        settings(**source)
+    assert expected in str(info.value)
+
+
+def test_ratio_none_in_ini_turns_the_default_off():
+    assert settings(ini={"max_ratio": "none"}).max_ratio is None
+
+
+def test_missing_baseline_auto_follows_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    assert settings().fail_on_missing_baseline is False
+    monkeypatch.setenv("CI", "true")
+    assert settings().fail_on_missing_baseline is True
+    assert settings(ini={"missing_baseline": "ignore"}).fail_on_missing_baseline is None
+
+
+def test_every_option_declared_once():
+    for attr in ("name", "flag", "ini"):
+        values = [getattr(o, attr) for o in OPTIONS]
+        assert len(values) == len(set(values))

@@ -1,0 +1,95 @@
+"""Marker arguments: every bad value is refused with the argument and what is accepted."""
+
+import math
+
+import pytest
+
+from pytest_gpumem.spec import Defaults, SpecError, Tolerance, parse_marker, parse_tolerance
+
+D = Defaults()
+
+
+def spec(*args, **kwargs):
+    return parse_marker(args, kwargs, D)
+
+
+def test_defaults_and_positional_nproc():
+    s = spec(4)
+    assert s.nproc == (4,) and s.rank == 0 and s.launcher == "direct" and s.max_ratio is None
+    assert s.sizes == (4,) and not s.reference_added
+
+
+def test_ratio_adds_the_reference_size():
+    s = spec(nproc=[8, 2], max_ratio=1.2)
+    assert s.nproc == (2, 8) and s.sizes == (1, 2, 8) and s.reference_added
+
+
+def test_ini_ratio_default_and_none_turns_it_off():
+    defaults = Defaults(max_ratio=1.3, allow_mib=512)
+    assert parse_marker((), {"nproc": 2}, defaults).max_ratio == 1.3
+    off = parse_marker((), {"nproc": 2, "max_ratio": None}, defaults)
+    assert off.max_ratio is None and off.sizes == (2,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"nprocs": 2}, "unknown argument 'nprocs'"),
+        ({"nproc": 0}, "nproc=0 is not accepted: expected an int or a list of ints from 1 to 1024"),
+        ({"nproc": -2}, "nproc=-2"),
+        ({"nproc": 100000}, "from 1 to 1024"),
+        ({"nproc": [1, 1]}, "distinct"),
+        ({"nproc": []}, "nproc=[]"),
+        ({"nproc": 2.0}, "nproc=2.0"),
+        ({"nproc": True}, "nproc=True"),
+        ({"max_mib": "lots"}, "max_mib='lots' is not accepted: expected a number"),
+        ({"max_mib": -1}, "expected a number > 0"),
+        ({"max_ratio": -1.0}, "max_ratio=-1.0"),
+        ({"max_ratio": 0}, "max_ratio=0"),
+        ({"max_ratio": math.nan}, "finite"),
+        ({"allow_mib": -5}, "allow_mib=-5 is not accepted: expected a number >= 0"),
+        ({"rank": "first"}, "rank='first' is not accepted: expected an int >= 0 or 'all'"),
+        ({"nproc": 2, "rank": 2}, "rank must be below it"),
+        ({"device": "tpu"}, "device='tpu' is not accepted: expected one of auto, gpu, cpu"),
+        ({"launcher": "mpirun"}, "launcher='mpirun' is not accepted: expected one of direct, oneflow, torchrun"),
+        ({"timeout": 0}, "timeout=0"),
+        ({"tolerance": "5"}, "tolerance='5' is not accepted"),
+        ({"tolerance": "-3%"}, "tolerance='-3%'"),
+        ({"tolerance": "12 parsecs"}, "tolerance='12 parsecs'"),
+        ({"env": {"A": 1}}, "env={'A': 1} is not accepted: expected a dict of str to str"),
+        ({"script": "a.py", "module": "m"}, "at most one"),
+        ({"args": ["--x"]}, "args is given without script or module"),
+        ({"script": "a.py", "args": "--x"}, "expected a list of strings"),
+    ],
+)
+def test_bad_argument_names_it_and_what_is_accepted(kwargs, fragment):
+    with pytest.raises(SpecError) as info:
+        spec(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_two_positionals_refused():
+    with pytest.raises(SpecError, match="at most one positional"):
+        spec(1, 2)
+
+
+@pytest.mark.parametrize(
+    "text, percent, mib",
+    [("5%", 5.0, None), ("256MiB", None, 256.0), ("5%+256MiB", 5.0, 256.0), ("1GiB", None, 1024.0),
+     (["2%", "8MiB"], 2.0, 8.0)],
+)
+def test_tolerance_forms(text, percent, mib):
+    assert parse_tolerance(text) == Tolerance(percent=percent, mib=mib)
+
+
+def test_tolerance_takes_the_larger_part():
+    tol = Tolerance(percent=5.0, mib=256.0)
+    assert tol.allowance(1000.0) == 256.0
+    assert tol.allowance(10000.0) == 500.0
+
+
+def test_launch_key_ignores_limits_and_sizes():
+    a = spec(nproc=2, max_ratio=1.1, env={"X": "1"})
+    b = spec(nproc=[4, 8], max_mib=100, env={"X": "1"})
+    assert a.launch_key() == b.launch_key()
+    assert a.launch_key() != spec(nproc=2, env={"X": "2"}).launch_key()

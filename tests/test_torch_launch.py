@@ -1,0 +1,164 @@
+"""Real torch (gloo, CPU) launches through the direct launcher and torchrun."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+DDP = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+
+
+def step(world_keeps_global_batch):
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    local = torch.ones(150 * MiB // 4)                   # 150 MiB of activations per rank
+    if world_keeps_global_batch:                          # the bug: every rank gathers every batch
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        kept = torch.cat(parts)
+        assert kept.numel() == world * local.numel()
+    grad = torch.ones(1024)
+    dist.all_reduce(grad)
+    assert grad[0].item() == world
+    dist.destroy_process_group()
+'''
+
+
+def test_healthy_passes_and_inflating_fails_direct(pytester, launch_tag):
+    pytester.makepyfile(DDP + '''
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
+def test_healthy():
+    step(False)
+
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
+def test_inflating():
+    step(True)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*gpumem: memory limit exceeded at nproc=2*",
+        "*rank 0 at nproc=2 (cpu): peak * MiB > 1.20 x * MiB (nproc=1) + 0 MiB = * MiB (ratio *x)*",
+        "*gpumem: peak memory per rank*",
+        "*test_healthy*2*1.00x*pass*",
+        "*test_inflating*2*FAIL*",
+    ])
+
+
+def test_torchrun_launcher_gates_the_same_way(pytester, launch_tag):
+    pytester.makepyfile(DDP + '''
+@pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="torchrun")
+def test_healthy():
+    step(False)
+
+@pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="torchrun")
+def test_inflating():
+    step(True)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 0 at nproc=2 (cpu): peak * MiB > 1.20 x *"])
+
+
+def test_fixtures_parameters_and_env_reach_every_rank(pytester, launch_tag, tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    pytester.makeconftest('''
+import pytest
+
+@pytest.fixture
+def greeting():
+    return "hello"
+''')
+    pytester.makepyfile(f'''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2, env={{"OUT": {str(out)!r}}})
+@pytest.mark.parametrize("flavour", ["a", "b"])
+def test_body(flavour, greeting, tmp_path):
+    assert tmp_path.is_dir()
+    name = f"{{os.environ['RANK']}}-{{os.environ['WORLD_SIZE']}}-{{flavour}}-{{greeting}}"
+    open(os.path.join(os.environ["OUT"], name), "w").close()
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "0-2-a-hello", "0-2-b-hello", "1-2-a-hello", "1-2-b-hello"]
+
+
+def test_failing_rank_names_itself_and_the_session_goes_on(pytester, launch_tag):
+    pytester.makepyfile('''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_rank_one_breaks():
+    assert os.environ["RANK"] == "0", "only rank 0 is right"
+
+@pytest.mark.gpumem(nproc=2)
+def test_after():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 of 2 failed:*", "*AssertionError: only rank 0 is right*"])
+
+
+def test_all_ranks_skipping_skips_and_without_option_skips(pytester, launch_tag):
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_skips():
+    pytest.skip("no data set here")
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no data set here*"])
+    plain = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    plain.assert_outcomes(skipped=1)
+    plain.stdout.fnmatch_lines(["*gpumem test (launches nproc 2): run with pytest --gpumem*"])
+
+
+def test_inflation_marked_xfail_is_xfailed(pytester, launch_tag):
+    pytester.makepyfile(DDP + '''
+@pytest.mark.xfail(strict=True, reason="known inflation")
+@pytest.mark.gpumem(nproc=2, max_ratio=1.2)
+def test_inflating():
+    step(True)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(xfailed=1)
+    result.stdout.fnmatch_lines(["*test_inflating*XFAIL*"])
+
+
+def test_script_mode_runs_the_program_as_users_launch_it(pytester, launch_tag, tmp_path):
+    out = tmp_path / "runs.txt"
+    pytester.makepyfile(train_net=f'''
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+with open({str(out)!r}, "a") as f:
+    f.write(f"{{dist.get_rank()}}/{{dist.get_world_size()}} {{' '.join(sys.argv[1:])}}\\n")
+dist.destroy_process_group()
+''')
+    pytester.makepyfile(test_script='''
+import pytest
+
+@pytest.mark.gpumem(nproc=[1, 2], script="train_net.py", args=["--config-file", "gpt2.py"], max_ratio=1.3)
+def test_train_net():
+    raise AssertionError("the body is not run in script mode")
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert sorted(out.read_text().splitlines()) == [
+        "0/1 --config-file gpt2.py", "0/2 --config-file gpt2.py", "1/2 --config-file gpt2.py"]
