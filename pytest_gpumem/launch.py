@@ -184,8 +184,12 @@ class Launch:
             codes = [p.poll() for p in self._procs]
             if all(code is not None for code in codes):
                 return
-            if req.launcher == "direct" and failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = now  # like torchrun: one failed rank ends the launch, after a grace
+            if failed_at is None and (self._rank_reported_failure() or (
+                    req.launcher == "direct" and any(c not in (None, 0) for c in codes))):
+                # Like torchrun: one failed rank ends the launch, after a grace for the others to
+                # report. A rank that failed its test may still be blocked in the framework's
+                # exit barrier, waiting for peers that wait for it.
+                failed_at = now
             if failed_at is not None and now - failed_at > _FAIL_FAST_GRACE_S:
                 return
             if now >= deadline:
@@ -193,6 +197,16 @@ class Launch:
                 self._dump_stacks(result)
                 return
             time.sleep(_TICK_S)
+
+    def _rank_reported_failure(self) -> bool:
+        for rank in range(self.request.nproc):
+            path = rank_file(self.request.workdir, rank, "result")
+            try:
+                if path.exists() and json.loads(path.read_text()).get("outcome") == "failed":
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
 
     def _discover(self, result: LaunchResult) -> None:
         for rank in range(self.request.nproc):

@@ -1,0 +1,91 @@
+"""Real OneFlow (CPU, global tensors) launches through its own launcher and the direct one."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("oneflow")
+pytestmark = [pytest.mark.oneflow, pytest.mark.slow]
+
+WORKLOAD = '''
+import os
+import pytest
+import oneflow as flow
+
+MiB = 1024 * 1024
+
+
+def step(every_rank_keeps_global_batch):
+    world = flow.env.get_world_size()
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    rows = 150 * MiB // 4 // 1024                          # 150 MiB of activations per rank
+    batch = flow.ones(rows * world, 1024, placement=placement, sbp=flow.sbp.split(0))
+    if every_rank_keeps_global_batch:                     # the bug: S(0) -> B boxing
+        batch = batch.to_global(sbp=flow.sbp.broadcast)
+    total = batch.sum().to_global(sbp=flow.sbp.broadcast).to_local().numpy()
+    assert abs(total - rows * world * 1024) < 1e-3 * total
+'''
+
+
+def test_oneflow_launcher_healthy_passes_inflating_fails(pytester, launch_tag):
+    pytester.makepyfile(WORKLOAD + '''
+@pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="oneflow")
+def test_healthy():
+    step(False)
+
+@pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="oneflow")
+def test_inflating():
+    step(True)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*rank 0 at nproc=2 (cpu): peak * MiB > 1.20 x * MiB (nproc=1) + 0 MiB = * MiB (ratio *x)*",
+        "*test_healthy*2*pass*",
+    ])
+    assert not (pytester.path / "log").exists(), "the launcher's glog folders belong in the launch's own folder"
+
+
+def test_direct_launcher_runs_oneflow_global_tensors(pytester, launch_tag):
+    pytester.makepyfile(WORKLOAD + '''
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
+def test_healthy():
+    step(False)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_launcher_group_kill_stays_inside_the_launch(pytester, launch_tag):
+    """OneFlow's launcher answers a failed rank with killpg(its own group): pytest must survive."""
+    pytester.makepyfile('''
+import os
+import time
+import pytest
+import oneflow as flow
+
+@pytest.mark.gpumem(nproc=2, launcher="oneflow", timeout=120)
+def test_rank_one_dies():
+    flow.env.get_world_size()
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 lost its data shard")
+    time.sleep(60)   # rank 0 would wait for ever in a collective: the launcher must end it
+
+@pytest.mark.gpumem(nproc=2, launcher="oneflow", timeout=120)
+def test_rank_one_vanishes():
+    flow.env.get_world_size()
+    if os.environ["RANK"] == "1":
+        os._exit(3)  # no report at all: the launcher sees the exit and kills its process group
+    time.sleep(60)
+
+@pytest.mark.gpumem(nproc=1, launcher="oneflow")
+def test_next():
+    pass
+''')
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*rank 1 of 2 failed:*", "*RuntimeError: rank 1 lost its data shard*",
+        "*rank 1 of 2 ended without a result (oneflow launcher exit code 1)*",
+    ])
+    assert "timed out" not in result.stdout.str()
