@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fnmatch
+import glob
 import json
 import math
 import os
@@ -34,8 +35,9 @@ STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-
 ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "MALLOC_ARENA_MAX")
 ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
-_INT_KEY = re.compile(r"^(0|[1-9][0-9]{0,8})$")
+_INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
+_JSON_RULE = "JSON as pytest-gpumem writes it"
 
 
 class BaselineError(ValueError):
@@ -102,7 +104,7 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
     obj = _Obj(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore
     return obj
 
 
@@ -125,20 +127,20 @@ def _bad(file: Path, where: str, what: str, expected: str) -> BaselineError:
 
 
 def _got(value: Any) -> str:
-    if isinstance(value, dict):
-        return "got an object"
-    if isinstance(value, list):
-        return "got an array"
+    if isinstance(value, (dict, list)):
+        return "got an object" if isinstance(value, dict) else "got an array"
     if value is None or isinstance(value, bool):
         return "got " + json.dumps(value)
     return f"got the string {value!r}" if isinstance(value, str) else f"got {value!r}"
 
 
 def _check_obj(file: Path, where: str, value: Any, keys: tuple[str, ...] | None, expected: str) -> None:
+    """An object, no key twice, and (when ``keys`` is given) exactly those keys."""
     if not isinstance(value, dict):
         raise _bad(file, where, _got(value), expected)
-    if getattr(value, "duplicates", ()):
-        raise _bad(file, f"{where}[{value.duplicates[0]!r}]", "given more than once in one object",
+    dups: tuple[str, ...] = getattr(value, "duplicates", ())
+    if dups:
+        raise _bad(file, f"{where}[{dups[0]!r}]", "given more than once in one object",
                    "each key once (was a merge conflict resolved by keeping both sides?)")
     if keys is None:
         return
@@ -148,7 +150,7 @@ def _check_obj(file: Path, where: str, value: Any, keys: tuple[str, ...] | None,
                    "only " + ", ".join(map(repr, keys)))
     for key in keys:
         if key not in value:
-            raise _bad(file, f"{where}.{key}" if where else key, "missing", "every one of " + ", ".join(keys))
+            raise _bad(file, f"{where}.{key}" if where else key, "missing", "all of " + ", ".join(keys))
 
 
 def _check_mib(file: Path, where: str, value: Any) -> None:
@@ -167,16 +169,19 @@ def _check_entry(file: Path, where: str, e: Any, world_size: int, device: str) -
         raise _bad(file, f"{where}.rank", _got(rank), f"'all' or an integer rank 0..{world_size - 1}")
     _check_obj(file, f"{where}.ranks", e["ranks"], None, "an object of rank -> MiB")
     for key, mib in e["ranks"].items():
-        if not _INT_KEY.match(key) or int(key) >= world_size:
+        if not _INT_KEY.fullmatch(key) or int(key) >= world_size:
             raise _bad(file, f"{where}.ranks[{key!r}]", "not a rank of this world size",
                        f"rank keys '0'..'{world_size - 1}'")
         _check_mib(file, f"{where}.ranks[{key!r}]", mib)
     if not isinstance(e["method"], str) or not e["method"]:
-        raise _bad(file, f"{where}.method", _got(e["method"]), "a non-empty string such as 'high-water mark'")
+        raise _bad(file, f"{where}.method", _got(e["method"]), "a non-empty string, e.g. 'high-water mark'")
     _check_obj(file, f"{where}.provenance", e["provenance"], None, "an object of string -> string")
     for key, value in e["provenance"].items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise _bad(file, f"{where}.provenance[{key!r}]", _got(value), "string keys and string values")
+
+
+_PLATFORM_RULE = "'gpu:<GPU name>' or 'cpu:<CPU model>'"
 
 
 def _platform_device(key: Any) -> str | None:
@@ -194,16 +199,17 @@ def _check_doc(file: Path, doc: Any) -> None:
     _check_obj(file, "tests", doc["tests"], None, "an object of test name -> platforms")
     for name, plats in doc["tests"].items():
         where = f"tests[{name!r}]"
-        _check_obj(file, where, plats, None, "an object of platform ('gpu:<GPU>' or 'cpu:<CPU>') -> sizes")
+        _check_obj(file, where, plats, None, f"an object of platform ({_PLATFORM_RULE}) -> sizes")
         for plat, sizes in plats.items():
             device = _platform_device(plat)
             if device is None:
-                raise _bad(file, f"{where}[{plat!r}]", "not a platform key", "'gpu:<GPU name>' or 'cpu:<CPU model>'")
+                raise _bad(file, f"{where}[{plat!r}]", "not a platform key", _PLATFORM_RULE)
             _check_obj(file, f"{where}[{plat!r}]", sizes, None, "an object of world size -> entry")
             for ws, entry in sizes.items():
-                if not _INT_KEY.match(ws) or ws == "0":
-                    raise _bad(file, f"{where}[{plat!r}][{ws!r}]", "not a world size", "a positive integer key like '2'")
-                _check_entry(file, f"{where}[{plat!r}][{ws!r}]", entry, int(ws), device)
+                at = f"{where}[{plat!r}][{ws!r}]"
+                if not _INT_KEY.fullmatch(ws) or ws == "0":
+                    raise _bad(file, at, "not a world size", "a positive integer key like '2'")
+                _check_entry(file, at, entry, int(ws), device)
 
 
 def _load(file: Path) -> tuple[bytes, dict[str, Any]] | None:
@@ -222,9 +228,9 @@ def _load(file: Path) -> tuple[bytes, dict[str, Any]] | None:
     except json.JSONDecodeError as exc:
         cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated")
         what = exc.msg + (" (the file ends early: truncated?)" if cut else "")
-        raise _bad(file, f"line {exc.lineno} column {exc.colno}", what, "JSON as pytest-gpumem writes it") from exc
+        raise _bad(file, f"line {exc.lineno} column {exc.colno}", what, _JSON_RULE) from exc
     except (ValueError, RecursionError) as exc:
-        raise _bad(file, "(file)", f"not readable as JSON ({exc})", "JSON as pytest-gpumem writes it") from exc
+        raise _bad(file, "(file)", f"not readable as JSON ({exc})", _JSON_RULE) from exc
     _check_doc(file, doc)
     return raw, doc
 
@@ -232,18 +238,19 @@ def _load(file: Path) -> tuple[bytes, dict[str, Any]] | None:
 def _ordered(value: Any) -> Any:
     """Keys sorted, numerically where they are numbers ('2' before '10'), so diffs stay stable."""
     if isinstance(value, dict):
-        keys = sorted(value, key=lambda k: (0, int(k), "") if _INT_KEY.match(k) else (1, 0, k))
+        keys = sorted(value, key=lambda k: (0, int(k), "") if _INT_KEY.fullmatch(k) else (1, 0, k))
         return {k: _ordered(value[k]) for k in keys}
     return value
 
 
 def _dump(doc: Mapping[str, Any]) -> bytes:
     text = json.dumps(_ordered(doc), indent=2, ensure_ascii=False, allow_nan=False)
-    return (text + "\n").encode("utf-8")
+    # A lone surrogate (undecodable env bytes) cannot be UTF-8; "\udcff" is its JSON escape.
+    return (text + "\n").encode("utf-8", "backslashreplace")
 
 
 def _round(mib: Any) -> Any:
-    """0.1 MiB is far below run-to-run noise; fewer digits keep diffs quiet. Non-numbers are left for validation."""
+    """0.1 MiB is far below run-to-run noise; fewer digits, quieter diffs. Non-numbers: left to validation."""
     return mib if isinstance(mib, bool) or not isinstance(mib, (int, float)) else round(float(mib), 1)
 
 
@@ -256,8 +263,9 @@ def _to_json(e: Entry) -> dict[str, Any]:
 
 
 def _from_json(raw: Mapping[str, Any]) -> Entry:
-    return Entry(gated_mib=float(raw["gated_mib"]), ranks={int(k): float(v) for k, v in raw["ranks"].items()},
-                 rank=raw["rank"], device=raw["device"], method=raw["method"], provenance=dict(raw["provenance"]))
+    ranks = {int(k): float(v) for k, v in raw["ranks"].items()}
+    prov = dict(raw["provenance"])
+    return Entry(float(raw["gated_mib"]), ranks, raw["rank"], raw["device"], raw["method"], prov)
 
 
 def _umask() -> int:
@@ -281,7 +289,7 @@ def _write_atomic(file: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fchmod(fh.fileno(), mode)  # widened only once complete: the published file is a normal one
+            os.fchmod(fh.fileno(), mode)  # widened once complete: the published file is a normal one
             os.fsync(fh.fileno())
         os.replace(tmp, file)
     except BaseException:
@@ -303,7 +311,7 @@ class BaselineStore:
         self.directory = Path(directory)
 
     def file_for(self, test_id: str) -> Path:
-        """``a/test_x.py::test_a[2]`` -> ``<dir>/a/test_x.py.json``: one file per module keeps diffs local."""
+        """``a/test_x.py::test_a[2]`` -> ``<dir>/a/test_x.py.json``: one file per module, local diffs."""
         return self._split(test_id)[0]
 
     def _split(self, test_id: str) -> tuple[Path, str]:
@@ -327,12 +335,14 @@ class BaselineStore:
         loaded = _load(file)
         return sorted(loaded[1]["tests"].get(name, {})) if loaded else []
 
-    def update(self, test_id: str, platform: str, entries: Mapping[int, Entry]) -> dict[int, tuple[Entry | None, Entry]]:
+    def update(
+        self, test_id: str, platform: str, entries: Mapping[int, Entry]
+    ) -> dict[int, tuple[Entry | None, Entry]]:
         """Locked read-modify-write of these sizes only; everything else in the file is kept as it was."""
         file, name = self._split(test_id)
         device = _platform_device(platform)
         if device is None:
-            raise _bad(file, f"tests[{name!r}][{platform!r}]", "not a platform key", "'gpu:<GPU name>' or 'cpu:<CPU model>'")
+            raise _bad(file, f"tests[{name!r}][{platform!r}]", "not a platform key", _PLATFORM_RULE)
         new: dict[str, dict[str, Any]] = {}
         for ws, entry in entries.items():
             where = f"tests[{name!r}][{platform!r}][{str(ws)!r}]"
@@ -347,7 +357,7 @@ class BaselineStore:
         try:
             with lock:
                 loaded = _load(file)  # a bad file raises here, before anything is written
-                doc = loaded[1] if loaded else {"schema": SCHEMA_VERSION, "tests": {}}
+                doc: dict[str, Any] = loaded[1] if loaded else {"schema": SCHEMA_VERSION, "tests": {}}
                 sizes = doc["tests"].setdefault(name, {}).setdefault(platform, {})
                 changes = {int(ws): (_from_json(sizes[ws]) if ws in sizes else None, _from_json(raw))
                            for ws, raw in new.items()}
@@ -364,13 +374,13 @@ class BaselineStore:
     @staticmethod
     def _remove_stale_temps(file: Path) -> None:
         """Temp files a killed writer left behind; old ones only, in case a peer bypasses the lock."""
-        for tmp in file.parent.glob(f".{file.name}.*.tmp"):
+        for tmp in file.parent.glob(f".{glob.escape(file.name)}.*.tmp"):
             with contextlib.suppress(OSError):
                 if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
                     tmp.unlink()
 
     def entries(self, pattern: str | None = None) -> list[tuple[str, str, int, Entry]]:
-        """(test id, platform, world size, entry) for every stored entry whose test id matches ``pattern``."""
+        """(test id, platform, world size, entry) for each entry whose test id fnmatches ``pattern``."""
         out: list[tuple[str, str, int, Entry]] = []
         for file in sorted(self.directory.rglob("*.json")) if self.directory.is_dir() else []:
             loaded = None if file.name.startswith(".") else _load(file)
