@@ -78,8 +78,6 @@ def free_port() -> int:
 
 def oneflow_library_dirs() -> list[str]:
     """cuDNN/cuBLAS folders that a pip-installed OneFlow needs even on a CPU-only machine."""
-    if importlib.util.find_spec("oneflow") is None:
-        return []
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
@@ -100,11 +98,12 @@ def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id:
     # Same thread count at every world size, so 1 -> N compares like with like
     # (both launchers would set 1 only when N > 1).
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("ONEFLOW_TEST_DEVICE_NUM", str(request.nproc))  # else skip_unless_1nXd skips
-    env.setdefault("ONEFLOW_TEST_NODE_NUM", "1")
-    libs = oneflow_library_dirs()
-    if libs:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    if importlib.util.find_spec("oneflow") is not None:
+        env.setdefault("ONEFLOW_TEST_DEVICE_NUM", str(request.nproc))  # else skip_unless_1nXd skips
+        env.setdefault("ONEFLOW_TEST_NODE_NUM", "1")
+        libs = oneflow_library_dirs()
+        if libs:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
     env.update(request.env)
     env[WORKDIR_ENV] = str(request.workdir)
     env[LAUNCH_ID_ENV] = launch_id

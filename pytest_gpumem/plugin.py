@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from . import settings as settings_mod
+from .baseline import BaselineError, BaselineStore, Entry, host_provenance
+from .gpus import GpuPlanner
+from .leases import default_lease_dir
 from .rank import WORKDIR_ENV, rank_file, write_json_atomic
-from .report import record, table
+from .report import record, refresh_lines, table
 from .runner import Runner, TestRun
 from .spec import Spec, SpecError, parse_marker
-from .verdict import judge
+from .verdict import BaselineRef, Verdict, judge
 
 gpumem = pytest.mark.gpumem
 """``from pytest_gpumem import gpumem`` is this marker."""
@@ -65,6 +69,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 class GpumemFailed(Exception):
     """A gpumem test failed: the message is the whole, self-contained explanation."""
+
+
+class GpumemWarning(UserWarning):
+    """Something a reviewer should see that does not fail the test (e.g. a missing baseline)."""
 
 
 class GpumemItem(pytest.Item):
@@ -122,10 +130,14 @@ class ParentSide:
         self.specs: dict[str, Spec] = {}
         self.records: list[dict[str, Any]] = []
         interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
+        self.store = BaselineStore(resolved.baselines)
+        self.is_worker = hasattr(config, "workerinput")
         self.runner = Runner(
             cwd=Path(config.invocation_params.dir),
             rootdir=Path(config.rootpath),
             rank_pytest_args=self.rank_pytest_args,
+            gpu_setup=GpuPlanner.for_this_machine(
+                resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
             host_interval_s=interval,
         )
 
@@ -158,19 +170,91 @@ class ParentSide:
         return [*args, target]
 
     def run_item(self, item: GpumemItem) -> None:
-        test = self.runner.run(item.nodeid, item.spec)
-        verdict = None
-        if test.skip_reason is None and not test.problems:
-            verdict = judge(item.spec, test.results)
-        status = _status(test, verdict)
-        item.user_properties.append((_RECORD_KEY, json.dumps(record(test, verdict, status, {}))))
+        spec, test_id = item.spec, item.nodeid
+        test = self.runner.run(test_id, spec)
+        problems = list(test.problems)
+        notes = [note for run in test.runs for note in run.notes]
+        refs: dict[int, BaselineRef] = {}
+        changes: dict[int, tuple[Entry | None, Entry]] = {}
+        verdict: Verdict | None = None
+        if test.skip_reason is None and not problems:
+            try:
+                if not self.settings.refresh:
+                    refs = self._baselines(test, notes, problems)
+            except BaselineError as exc:
+                problems.append(f"baseline file unusable (left untouched): {exc}")
+        if test.skip_reason is None and not problems:
+            verdict = judge(spec, test.results, refs, tuple(notes))
+            if self.settings.refresh:
+                try:
+                    changes = self._refresh(test, verdict)
+                except BaselineError as exc:
+                    problems.append(f"baseline not refreshed (file left untouched): {exc}")
+        status = _status(test, verdict, problems)
+        rec = record(test, verdict, status, {n: r.mib for n, r in refs.items()})
+        rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
+                                   for n, (old, new) in sorted(changes.items())]
+        item.user_properties.append((_RECORD_KEY, json.dumps(rec)))
         if test.skip_reason is not None:
             pytest.skip(test.skip_reason)
-        if test.problems:
-            raise GpumemFailed("\n".join(test.problems))
+        if problems:
+            raise GpumemFailed("\n".join(problems))
         assert verdict is not None
         if not verdict.passed:
             raise GpumemFailed(verdict.render())
+
+    def _baselines(self, test: TestRun, notes: list[str], problems: list[str]) -> dict[int, BaselineRef]:
+        """Stored peaks for this platform; missing ones warn, or fail in CI (configurable)."""
+        refs: dict[int, BaselineRef] = {}
+        missing: list[int] = []
+        platform = ""
+        for result in test.results:
+            if result.world_size not in test.spec.nproc:
+                continue
+            platform = result.platform
+            entry = self.store.lookup(test.test_id, platform, result.world_size)
+            if entry is None:
+                missing.append(result.world_size)
+            else:
+                refs[result.world_size] = BaselineRef(entry.gated_mib, test.spec.tolerance)
+        if not missing:
+            return refs
+        elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
+        if elsewhere:
+            notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
+                         f"not compared on {platform}")
+        sizes = ", ".join(map(str, missing))
+        text = (f"no baseline stored for {test.test_id} on {platform} at nproc={sizes} "
+                f"in {self.store.file_for(test.test_id)}: record it with "
+                f"`gpumem refresh {test.test_id}` and commit the file")
+        mode = self.settings.fail_on_missing_baseline
+        if mode:
+            problems.append(text + " (missing baselines fail when CI is set; gpumem_missing_baseline=warn to relax)")
+        elif mode is False:
+            warnings.warn(GpumemWarning(text))
+        return refs
+
+    def _refresh(self, test: TestRun, verdict: Verdict) -> dict[int, tuple[Entry | None, Entry]]:
+        spec = test.spec
+        # The ranks' own view (their env knobs, the frameworks they imported), not pytest's.
+        provenance = {**(test.provenance or host_provenance(os.environ)), "launcher": spec.launcher}
+        entries: dict[int, Entry] = {}
+        platform = ""
+        for result in test.results:
+            label, gated = result.gated(spec.rank)
+            if result.world_size not in spec.nproc or gated is None:
+                continue
+            platform = result.platform
+            gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
+            entries[result.world_size] = Entry(
+                gated_mib=gated,
+                ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
+                rank=spec.rank,
+                device=result.device,
+                method=result.peaks[gated_rank].method,
+                provenance=provenance,
+            )
+        return self.store.update(test.test_id, platform, entries) if entries else {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -183,17 +267,29 @@ class ParentSide:
                 self.records.append(rec)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.records:
+        if not self.records or self.is_worker:
             return
+        records = sorted(self.records, key=lambda r: r["test"])
         terminalreporter.section("gpumem: peak memory per rank")
-        for line in table(sorted(self.records, key=lambda r: r["test"])):
+        for line in table(records):
             terminalreporter.write_line(line)
+        lines = refresh_lines(records)
+        if lines:
+            terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")
+            for line in lines:
+                terminalreporter.write_line(line)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.settings.report is not None and not self.is_worker:
+            doc = {"schema": 1, "tests": sorted(self.records, key=lambda r: r["test"])}
+            self.settings.report.parent.mkdir(parents=True, exist_ok=True)
+            self.settings.report.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def _status(test: TestRun, verdict) -> str:
+def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
     if test.skip_reason is not None:
         return "skip"
-    if test.problems:
+    if problems:
         return "ERROR"
     return "pass" if verdict is not None and verdict.passed else "FAIL"
 

@@ -18,6 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .baseline import host_provenance
+
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 
@@ -65,7 +67,8 @@ def _report_exit(workdir: Path, rank: int) -> None:
         maxrss_kib //= 1024
     write_json_atomic(
         rank_file(workdir, rank, "exit"),
-        {"pid": os.getpid(), "maxrss_kib": maxrss_kib, "frameworks": framework_versions()},
+        {"pid": os.getpid(), "maxrss_kib": maxrss_kib,
+         "provenance": {**host_provenance(os.environ), **framework_versions()}},
     )
 
 

@@ -39,7 +39,7 @@ def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mappi
         "limits": {"max_mib": spec.max_mib, "max_ratio": spec.max_ratio, "allow_mib": spec.allow_mib,
                    "rank": spec.rank, "tolerance": str(spec.tolerance)},
         "sizes": sizes,
-        "frameworks": test.frameworks,
+        "provenance": test.provenance,
         "messages": [str(c) for c in verdict.failures] if verdict else [],
         "notes": list(verdict.notes) if verdict else [],
     }
@@ -79,3 +79,17 @@ def table(records: Iterable[Mapping[str, Any]]) -> list[str]:
     if any(size["reused"] for rec in records for size in rec["sizes"]):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
     return out
+
+
+def refresh_lines(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``test nproc=2: 512.3 -> 530.1 MiB (+3.5%)`` for each rewritten baseline entry."""
+    lines = []
+    for rec in records:
+        for nproc, old, new in rec.get("baseline_changes", []):
+            if old is None:
+                change = f"(new) -> {new:.1f} MiB"
+            else:
+                delta = (new - old) / old * 100 if old else 0.0
+                change = f"{old:.1f} -> {new:.1f} MiB ({delta:+.1f}%)"
+            lines.append(f"{rec['test']} nproc={nproc}: {change}")
+    return lines

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from .gpus import GpuPlan, no_gpus
+from .baseline import platform_key
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .rank import rank_file
 from .sampling import Peak
@@ -37,8 +39,9 @@ class SizeRun:
     launch: LaunchResult
     outcomes: dict[int, RankOutcome]
     problems: list[str] = field(default_factory=list)
-    frameworks: dict[str, str] = field(default_factory=dict)
+    provenance: dict[str, str] = field(default_factory=dict)
     gpu_problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def all_skipped(self) -> str | None:
@@ -64,31 +67,14 @@ class TestRun:
         return [run.result for run in self.runs]
 
     @property
-    def frameworks(self) -> dict[str, str]:
+    def provenance(self) -> dict[str, str]:
         for run in reversed(self.runs):
-            if run.frameworks:
-                return run.frameworks
+            if run.provenance:
+                return run.provenance
         return {}
 
 
-# GPU plumbing is injected so the runner stays testable on machines without GPUs.
-GpuSetup = Callable[[Spec, int], "GpuPlan"]
-
-
-@dataclass
-class GpuPlan:
-    """What a launch gets on the GPU side: visible devices for the ranks and a sampler."""
-
-    env: dict[str, str] = field(default_factory=dict)
-    sampler: object | None = None  # a sampling.Sampler
-    release: Callable[[], None] = lambda: None
-    skip_reason: str | None = None
-
-
-def no_gpus(spec: Spec, nproc: int) -> GpuPlan:
-    if spec.device == "gpu":
-        return GpuPlan(skip_reason=f"device='gpu' needs {nproc} GPU(s) but this machine has 0")
-    return GpuPlan()
+GpuSetup = Callable[[Spec, int, str], GpuPlan]
 
 
 class Runner:
@@ -121,13 +107,14 @@ class Runner:
                     result=replace(reused.result, reused=True),
                     launch=reused.launch,
                     outcomes=reused.outcomes,
-                    frameworks=reused.frameworks,
+                    provenance=reused.provenance,
                 )
             else:
-                run = self._launch(test_id, spec, nproc)
-                if run is None:
-                    test.skip_reason = self._last_skip
+                plan = self.gpu_setup(spec, nproc, test_id)
+                if plan.skip_reason is not None:
+                    test.skip_reason = plan.skip_reason
                     return test
+                run = self._launch(test_id, spec, nproc, plan)
                 if nproc == 1 and not run.problems and run.all_skipped is None:
                     self._references[key] = run
             test.runs.append(run)
@@ -139,8 +126,6 @@ class Runner:
                 return test  # a broken launch says more than any memory figure
         return test
 
-    _last_skip: str | None = None
-
     def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
         if spec.script is not None:
             script = Path(spec.script)
@@ -151,11 +136,7 @@ class Runner:
             return ("module", spec.module, *spec.args)
         return ("pytest", *self.rank_pytest_args(test_id))
 
-    def _launch(self, test_id: str, spec: Spec, nproc: int) -> SizeRun | None:
-        plan = self.gpu_setup(spec, nproc)
-        if plan.skip_reason:
-            self._last_skip = plan.skip_reason
-            return None
+    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan) -> SizeRun:
         workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
@@ -173,6 +154,10 @@ class Runner:
             workdir=workdir,
             timeout=spec.timeout,
         )
+        if plan.error is not None:
+            plan.release()
+            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[plan.error])
         for sampler in samplers:
             sampler.start()
         try:
@@ -183,14 +168,17 @@ class Runner:
                 sampler.stop()
             plan.release()
         try:
-            return self._read(spec, nproc, workdir, launch, host, plan.sampler)
+            run = self._read(spec, nproc, workdir, launch, host, plan)
+            run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+            return run
         finally:
             if not self.keep_workdirs:
                 shutil.rmtree(workdir, ignore_errors=True)
 
     def _read(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
-              host: HostSampler, gpu) -> SizeRun:
-        frameworks: dict[str, str] = {}
+              host: HostSampler, plan: GpuPlan) -> SizeRun:
+        gpu = plan.sampler
+        provenance: dict[str, str] = {}
         exited: set[int] = set()
         for rank in range(nproc):
             try:
@@ -200,7 +188,7 @@ class Runner:
             exited.add(rank)
             host.report_exit_peak(rank, float(data["maxrss_kib"]))
             if rank == 0:
-                frameworks = dict(data.get("frameworks", {}))
+                provenance = dict(data.get("provenance", {}))
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
         use_gpu = spec.device == "gpu" or (
@@ -211,13 +199,14 @@ class Runner:
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",
+            platform=platform_key("gpu", plan.gpu_name) if use_gpu else platform_key("cpu"),
             peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
             host_peaks=host_peaks,
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
         )
         outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
-        run = SizeRun(result=result, launch=launch, outcomes=outcomes, frameworks=frameworks,
+        run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance,
                       gpu_problems=list(getattr(gpu, "problems", []) or []))
         run.problems = self._problems(spec, run, workdir)
         return run

@@ -108,6 +108,12 @@ OPTIONS: tuple[Option, ...] = (
            "gpumem_missing_baseline", _choice(("auto", "warn", "fail", "ignore")), "auto",
            "one of auto, warn, fail, ignore",
            "what a test without a baseline does: auto = fail when CI is set, warn otherwise"),
+    Option("lease_dir", "--gpumem-lease-dir", "GPUMEM_LEASE_DIR", "gpumem_lease_dir",
+           str, "", "a folder path (default: a private folder in the system temp dir)",
+           "folder of the GPU lease locks shared by every pytest process on this host"),
+    Option("lease_wait", "--gpumem-lease-wait", "GPUMEM_LEASE_WAIT", "gpumem_lease_wait",
+           _positive_float, "600", "a number of seconds > 0",
+           "how long a test waits for busy GPUs before it fails"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
            str, "", "a file path", "write a JSON report of every gpumem test to this file"),
 )
@@ -131,6 +137,8 @@ class Settings:
     interval_ms: float
     baselines: Path
     missing_baseline: str
+    lease_dir: Path | None
+    lease_wait: float
     report: Path | None
 
     def defaults(self) -> Defaults:
@@ -186,11 +194,13 @@ def resolve(
         values[option.name] = _parse(option, text, source)
     baselines = Path(values.pop("baselines"))
     report = values.pop("report")
+    lease_dir = values.pop("lease_dir")
     return Settings(
         enabled=enabled,
         refresh=refresh,
         baselines=baselines if baselines.is_absolute() else rootdir / baselines,
         report=Path(report) if report else None,
+        lease_dir=Path(lease_dir) if lease_dir else None,
         **values,
     )
 

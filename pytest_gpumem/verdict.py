@@ -20,6 +20,7 @@ class SizeResult:
     world_size: int
     device: str
     peaks: Mapping[int, Peak]
+    platform: str = ""
     host_peaks: Mapping[int, Peak] = field(default_factory=dict)
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     duration_s: float = 0.0

@@ -1,0 +1,69 @@
+"""Which GPUs a launch gets and who watches them; none at all on a machine without GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .leases import GpuLeases, LeaseTimeout
+from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, foreign_processes, visible_gpus
+from .spec import Spec
+
+
+@dataclass
+class GpuPlan:
+    """What a launch gets on the GPU side: visible devices for the ranks and a sampler."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    sampler: NvmlSampler | None = None
+    gpu_name: str | None = None
+    release: Callable[[], None] = lambda: None
+    skip_reason: str | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class GpuPlanner:
+    """Leases ``nproc`` whole GPUs per launch and pins the ranks to them by UUID."""
+
+    def __init__(self, leases: GpuLeases | None, interval_s: float | None = None) -> None:
+        self.leases = leases
+        self.interval_s = interval_s or DEFAULT_INTERVAL_S
+
+    @classmethod
+    def for_this_machine(cls, lease_dir, wait_s: float, interval_s: float | None) -> "GpuPlanner":
+        gpus = visible_gpus()
+        return cls(GpuLeases(lease_dir, gpus, wait_s) if gpus else None, interval_s)
+
+    def __call__(self, spec: Spec, nproc: int, owner: str) -> GpuPlan:
+        if spec.device == "cpu":
+            return GpuPlan()
+        have = len(self.leases.gpus) if self.leases else 0
+        if nproc > have:
+            if spec.device == "auto" and have == 0:
+                return GpuPlan()  # a machine without GPUs: host memory is what counts
+            return GpuPlan(skip_reason=f"needs {nproc} GPU(s) for nproc={nproc} but this machine has {have}")
+        try:
+            lease = self.leases.acquire(nproc, owner)
+        except LeaseTimeout as exc:
+            return GpuPlan(error=str(exc))
+        notes = []
+        for device in lease.devices:
+            pids = foreign_processes(device)
+            if pids:
+                notes.append(f"GPU {device.index} ({device.uuid}) already had compute processes "
+                             f"{pids} before the launch: device-level numbers include them")
+        return GpuPlan(
+            env={"CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in lease.devices),
+                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+            sampler=NvmlSampler(lease.devices, self.interval_s),
+            gpu_name=lease.devices[0].name,
+            release=lease.release,
+            notes=notes,
+        )
+
+
+def no_gpus(spec: Spec, nproc: int, owner: str) -> GpuPlan:
+    if spec.device == "gpu":
+        return GpuPlan(skip_reason=f"needs {nproc} GPU(s) for nproc={nproc} but this machine has 0")
+    return GpuPlan()
