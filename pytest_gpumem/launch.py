@@ -248,7 +248,7 @@ class Launch:
             except OSError:
                 continue
             if text.strip():
-                result.stacks[rank] = text
+                result.stacks[rank] = _user_frames(text)
 
     def _cleanup(self) -> list[int]:
         """SIGTERM every group and known process, then SIGKILL what is left; return survivors.
@@ -319,6 +319,16 @@ class Launch:
             result.returncodes = {rank: code for rank, code in enumerate(codes) if code is not None}
         else:
             result.launcher_returncode = codes[0] if codes else None
+
+
+_HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",
+                   "pytest_gpumem/rank.py", "/runpy.py")
+
+
+def _user_frames(stack: str) -> str:
+    """A faulthandler dump without the pytest/pluggy/runpy frames every rank has in common."""
+    return "\n".join(line for line in stack.splitlines()
+                     if not any(frame in line for frame in _HARNESS_FRAMES))
 
 
 def _signal_group(pid: int, sig: int) -> None:

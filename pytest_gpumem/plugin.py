@@ -202,6 +202,8 @@ class ParentSide:
         assert verdict is not None
         if not verdict.passed:
             raise GpumemFailed(verdict.render())
+        for note in verdict.notes:  # a pass worth a reviewer's look: improvements, foreign GPU users
+            warnings.warn(GpumemWarning(note))
 
     def _baselines(self, test: TestRun, notes: list[str], problems: list[str]) -> dict[int, BaselineRef]:
         """Stored peaks for this platform; missing ones warn, or fail in CI (configurable)."""

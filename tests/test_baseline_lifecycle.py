@@ -1,0 +1,128 @@
+"""The whole baseline lifecycle with real launches, concurrent refreshes, broken files, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+JOB = '''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2, tolerance="10%")
+def test_job():
+    extra = int(open(os.environ["EXTRA_FILE"]).read())
+    buf = bytearray(extra * 1024 * 1024)   # touched: counts in the resident set
+'''
+
+
+@pytest.fixture
+def job(pytester, monkeypatch, tmp_path):
+    extra = tmp_path / "extra"
+    extra.write_text("0")
+    monkeypatch.setenv("EXTRA_FILE", str(extra))
+    pytester.makepyfile(test_job=JOB)
+    return extra
+
+
+def run(pytester, *args):
+    return pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-W", "always", *args)
+
+
+def test_lifecycle(pytester, job, monkeypatch, launch_tag):
+    stored = pytester.path / "baselines" / "test_job.py.json"
+
+    # missing: a warning locally, a failure in CI
+    run(pytester).assert_outcomes(passed=1, warnings=1)
+    monkeypatch.setenv("CI", "true")
+    ci = run(pytester)
+    ci.assert_outcomes(failed=1)
+    ci.stdout.fnmatch_lines(["*no baseline stored for test_job.py::test_job on cpu:* at nproc=2*gpumem refresh*"])
+    assert not stored.exists(), "a run that is not a refresh never writes"
+
+    # refresh: written, old -> new shown
+    first = run(pytester, "--gpumem-refresh")
+    first.assert_outcomes(passed=1)
+    first.stdout.fnmatch_lines(["*baselines refreshed*", "test_job.py::test_job nproc=2: (new) -> * MiB"])
+    doc = json.loads(stored.read_text())
+    entry = next(iter(doc["tests"]["test_job"].values()))["2"]
+    assert set(entry["ranks"]) == {"0", "1"} and entry["method"] == "high-water mark"
+
+    # same: passes against it
+    run(pytester).assert_outcomes(passed=1)
+
+    # inflated: fails and leaves the file as it was
+    before = stored.read_bytes()
+    job.write_text("200")
+    inflated = run(pytester)
+    inflated.assert_outcomes(failed=1)
+    inflated.stdout.fnmatch_lines(["*rank 0 at nproc=2 (cpu): peak * MiB > baseline * MiB + tolerance 10% = * MiB*"])
+    assert stored.read_bytes() == before
+
+    # refresh again: rewritten; next run passes
+    again = run(pytester, "--gpumem-refresh")
+    again.stdout.fnmatch_lines(["test_job.py::test_job nproc=2: * -> * MiB (+*%)"])
+    assert stored.read_bytes() != before
+    run(pytester).assert_outcomes(passed=1)
+
+    # back to the old size: an improvement is reported, not failed
+    job.write_text("0")
+    better = run(pytester)
+    better.assert_outcomes(passed=1, warnings=1)
+    better.stdout.fnmatch_lines(["*below the baseline * by more than 10%; refresh the baseline to tighten it*"])
+    # gpumem show lists it
+    shown = subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "show", "--baselines",
+                            str(pytester.path / "baselines")], capture_output=True, text=True)
+    assert shown.returncode == 0 and "test_job.py::test_job" in shown.stdout and "nproc=2" in shown.stdout
+
+
+def test_broken_file_fails_with_file_and_field_and_is_never_overwritten(pytester, job, launch_tag):
+    stored = pytester.path / "baselines" / "test_job.py.json"
+    stored.parent.mkdir()
+    broken = '{"schema": 1, "tests": {"test_job": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
+    stored.write_text(broken)
+    for extra in ((), ("--gpumem-refresh",)):
+        result = run(pytester, *extra)
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*test_job.py.json*"])
+        assert stored.read_text() == broken
+
+
+def test_truncated_file_names_line_and_column(pytester, job, launch_tag):
+    stored = pytester.path / "baselines" / "test_job.py.json"
+    stored.parent.mkdir()
+    stored.write_text('{"schema": 1, "tests": {"test_j')
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*test_job.py.json*line 1 column*"])
+
+
+def test_concurrent_refresh_under_xdist_keeps_every_entry(pytester, launch_tag):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_many='''
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+@pytest.mark.parametrize("i", range(16))
+def test_one(i):
+    pass
+''')
+    result = pytester.runpytest("-n", "4", "--gpumem", "--gpumem-refresh", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=16)
+    doc = json.loads((pytester.path / "baselines" / "test_many.py.json").read_text())
+    assert sorted(doc["tests"]) == sorted(f"test_one[{i}]" for i in range(16))
+    # The controller prints one table covering every worker.
+    assert result.stdout.str().count("test_many.py::test_one[") >= 16
+
+
+def test_refresh_command_runs_pytest_with_refresh(pytester, job, launch_tag):
+    proc = subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "refresh", "-p", "no:cacheprovider",
+                           "test_job.py"], cwd=pytester.path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test_job.py::test_job nproc=2: (new) ->" in proc.stdout
+    assert (pytester.path / "baselines" / "test_job.py.json").exists()

@@ -1,0 +1,159 @@
+"""Plugin behaviour with plain-Python bodies: options, collection errors, skips, faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import processes_tagged
+
+pytestmark = pytest.mark.slow
+
+
+def test_marked_tests_skip_without_the_option(pytester):
+    pytester.makepyfile('''
+import pytest
+from pytest_gpumem import gpumem
+
+@gpumem(nproc=[2, 4], max_ratio=1.1)
+def test_big():
+    raise AssertionError("never runs in the user's process")
+
+def test_plain():
+    pass
+''')
+    result = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*gpumem test (launches nproc 1, 2, 4): run with pytest --gpumem*"])
+
+
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        ("nproc=0", "nproc=0 is not accepted: expected an int or a list of ints from 1 to 1024"),
+        ("max_mib='lots'", "max_mib='lots' is not accepted: expected a number"),
+        ("max_ratio=-1", "max_ratio=-1 is not accepted: expected a number > 0"),
+        ("nprocs=2", "unknown argument 'nprocs'"),
+        ("tolerance='12 parsecs'", "tolerance='12 parsecs' is not accepted"),
+    ],
+)
+def test_bad_marker_is_a_collection_error_naming_test_and_argument(pytester, marker, message):
+    pytester.makepyfile(f'''
+import pytest
+
+@pytest.mark.gpumem({marker})
+def test_job():
+    pass
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*test_bad_marker_*.py::test_job: invalid gpumem marker: {message}*"])
+
+
+def test_bad_ini_value_is_a_usage_error_naming_the_key(pytester):
+    pytester.makeini("[pytest]\ngpumem_timeout = soon\n")
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0*"])
+
+
+def test_hung_rank_times_out_with_its_stack_and_nothing_left(pytester, launch_tag):
+    pytester.makepyfile('''
+import os
+import time
+import pytest
+
+def wait_for_peer():
+    time.sleep(600)
+
+@pytest.mark.gpumem(nproc=2, timeout=4)
+def test_hangs():
+    if os.environ["RANK"] == "1":
+        wait_for_peer()
+
+@pytest.mark.gpumem(nproc=2)
+def test_next_one_runs():
+    pass
+''')
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*launch timed out after 4 s at nproc=2 (launcher direct); ranks without a result: ?1?*",
+        "*rank 1 Python stack when the timeout hit*",
+        "*in wait_for_peer*",
+    ])
+    assert processes_tagged(launch_tag) == []
+
+
+def test_rank_killed_by_a_signal_is_named(pytester, launch_tag):
+    pytester.makepyfile('''
+import os
+import signal
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_segfaults():
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSEGV)
+''')
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 of 2 ended without a result (killed by SIGSEGV)*"])
+
+
+def test_child_that_outlives_its_rank_is_killed(pytester, launch_tag):
+    pytester.makepyfile('''
+import os
+import subprocess
+import sys
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+def test_leaves_a_daemon():
+    # A grandchild in a session of its own: not in the launch's process group.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+''')
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert processes_tagged(launch_tag) == []
+
+
+def test_host_peak_is_the_rank_own_high_water_mark(pytester, launch_tag):
+    """A 300 MiB buffer held for a few milliseconds shows up in full in the peak."""
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=1, max_mib=150)
+def test_spike():
+    buf = bytearray(300 * 1024 * 1024)   # zero-filled: every page touched
+    del buf
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    peak = float(text.split("rank 0 at nproc=1 (cpu): peak ")[1].split(" MiB")[0])
+    assert 300 < peak < 300 + 100, peak
+
+
+def test_reference_launch_is_reused_by_tests_with_the_same_program(pytester, launch_tag, tmp_path):
+    runs = tmp_path / "runs.txt"
+    pytester.makepyfile(job=f'''
+import os
+with open({str(runs)!r}, "a") as f:
+    f.write(os.environ["WORLD_SIZE"] + "\\n")
+''')
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=2, script="job.py", max_ratio=1.5)
+def test_two():
+    pass
+
+@pytest.mark.gpumem(nproc=3, script="job.py", max_ratio=1.5)
+def test_three():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert sorted(runs.read_text().split()) == ["1", "2", "2", "3", "3", "3"]  # one nproc=1 launch
+    result.stdout.fnmatch_lines(["*test_three*1[*]*pass*", "*reference reused*"])
