@@ -2,7 +2,7 @@
 
 Whatever launcher started it, the rank announces its pid (so the parent can sample it), sends
 its output to a per-rank log, arms a stack dump on SIGUSR1 (used before a hung launch is
-killed), runs the target, and at exit writes its exact peak resident set (``ru_maxrss``) and
+killed), runs the target, and at exit writes its exact peak resident set (the kernel's high-water mark) and
 the versions of the frameworks it imported.
 """
 
@@ -61,10 +61,25 @@ def framework_versions() -> dict[str, str]:
     return found
 
 
+def peak_rss_kib() -> float:
+    """This process's high-water mark of resident memory, in KiB.
+
+    On Linux ``VmHWM`` of /proc/self/status, not ``ru_maxrss``: the kernel carries the
+    parent's peak into ``ru_maxrss`` across fork/vfork + exec, so a rank started from a pytest
+    that had imported torch would report pytest's memory.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 1024 if sys.platform == "darwin" else float(maxrss)  # bytes on macOS
+
+
 def _report_exit(workdir: Path, rank: int) -> None:
-    maxrss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if sys.platform == "darwin":  # bytes there, KiB on Linux
-        maxrss_kib //= 1024
+    maxrss_kib = peak_rss_kib()
     write_json_atomic(
         rank_file(workdir, rank, "exit"),
         {"pid": os.getpid(), "maxrss_kib": maxrss_kib,

@@ -157,3 +157,18 @@ def test_three():
     result.assert_outcomes(passed=2)
     assert sorted(runs.read_text().split()) == ["1", "2", "2", "3", "3", "3"]  # one nproc=1 launch
     result.stdout.fnmatch_lines(["*test_three*1[*]*pass*", "*reference reused*"])
+
+
+def test_rank_peak_does_not_inherit_the_memory_of_pytest(pytester, launch_tag):
+    """Linux carries a parent's peak into a child's ru_maxrss across fork + exec: not ours."""
+    ballast = bytearray(400 * 1024 * 1024)  # this pytest process is now 400 MiB bigger
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=1, max_mib=200)
+def test_small():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert len(ballast) > 0
