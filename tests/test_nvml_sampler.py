@@ -363,3 +363,20 @@ def test_every_nvml_name_the_sampler_uses_exists_in_the_real_binding():
     assert sorted(n for n in names if not hasattr(real, n)) == []
     assert sorted(n for n in names if not hasattr(FakeNvml, n)) == [
         "nvmlDeviceGetMPSComputeRunningProcesses_v2"]  # absent from the fake on purpose: a scenario
+
+
+def test_steady_gpu_does_not_pay_for_a_process_list_every_tick():
+    """The process list holds the driver's lock for ~62 us: read it when ``used`` moves, else every 100 ms."""
+    interval = 0.002
+    clock = SteppingClock(interval, stall_at_read=10**9)
+    gpu = FakeGpu(uuid(1), [Snap(600, {100: 600})] * 100)  # a steady job: nothing moves
+    fake = FakeNvml([gpu])
+    sampler = NvmlSampler(visible_gpus(env={}, nvml=fake), interval_s=interval, nvml=fake, clock=clock)
+    sampler.add_process(0, 100)
+    sampler._wait = clock.wait
+    sampler.start()
+    sampler._thread.join(5)
+    sampler.stop()
+    lists = [c for c in fake.calls if "RunningProcesses" in c and "MPS" not in c]
+    assert 2 <= len(lists) <= 4, lists  # 60 ticks over ~120 ms of clock
+    assert sampler.peaks()[0] == Peak(600.0, "per-pid sampled")

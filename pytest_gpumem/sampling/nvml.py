@@ -25,10 +25,13 @@ try:  # nvidia-ml-py installs `pynvml`; the plugin must import on machines witho
 except Exception:  # noqa: BLE001 - ImportError, or a binding that breaks while loading
     _pynvml = None
 
-# Provisional, TO BE CONFIRMED BY MEASUREMENT on H200 (lead engineer): a tick costs ~8 us per GPU
-# for memory-info v2 and ~62 us for the process list, and NVML calls take the driver's global
-# lock, so a much shorter period could perturb the ranks under test.
+# A tick reads each GPU's ``used`` (memory-info v2, ~8 us on H200); the process list (~62 us,
+# and it holds the driver's lock) is read only when ``used`` moved or LIST_REFRESH_S passed. So a
+# 2 ms period catches millisecond spikes per process while a steady job costs little.
+# Measured on H200: benchmarks/results/gpu_evidence.txt.
 DEFAULT_INTERVAL_S = 0.002
+LIST_REFRESH_S = 0.1
+_MOVED_MIB = 1.0
 
 _ULONGLONG_MAX = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE in 64-bit fields
 _ACCOUNTING_SLACK_US = 2e6  # clock skew allowed when telling this launch's records from older ones
@@ -232,6 +235,9 @@ class _Gpu:
     max_used: float | None = None
     lost: bool = False
     ranks_seen: set[int] = field(default_factory=set)
+    procs: list[tuple[int, int | None]] = field(default_factory=list)  # last process list read
+    listed_used: float | None = None  # device ``used`` when it was read
+    listed_at: float = -math.inf
 
 
 class NvmlSampler:
@@ -350,8 +356,12 @@ class NvmlSampler:
         per_rank: dict[int, float] = {}
         seen: list[tuple[_Gpu, int]] = []
         used = tuple(self._device_used(gpu) for gpu in self._gpus.values())
-        for gpu in self._gpus.values():
-            for pid, nbytes in self._device_processes(gpu):
+        for gpu, u in zip(self._gpus.values(), used):
+            moved = u is None or gpu.listed_used is None or abs(u - gpu.listed_used) >= _MOVED_MIB
+            if moved or t - gpu.listed_at >= LIST_REFRESH_S:
+                gpu.procs = self._device_processes(gpu)
+                gpu.listed_used, gpu.listed_at = u, t
+            for pid, nbytes in gpu.procs:
                 if pid in rank_of:
                     seen.append((gpu, rank_of[pid]))
                     if nbytes is not None:  # a rank on several GPUs: its nvidia-smi rows added up
