@@ -39,10 +39,10 @@ class Lease:
     owner: str = ""
 
     def release(self) -> None:
+        if self._log is not None and self._locks:  # logged while still held: the log never overlaps
+            _log(self._log, "release", self.owner, self.devices)
         for lock in self._locks:
             lock.release()
-        if self._log is not None and self._locks:
-            _log(self._log, "release", self.owner, self.devices)
         self._locks = []
 
 

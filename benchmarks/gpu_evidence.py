@@ -1,0 +1,282 @@
+"""GPU evidence on a real machine (torch + NCCL): run it where there are GPUs, commit what it prints.
+
+    PYTHONPATH=. PYTEST_PLUGINS=pytest_gpumem.plugin python benchmarks/gpu_evidence.py OUT_DIR
+
+1. spike: a rank holds a steady amount, allocates 2 GiB more for 5 ms and frees it; 20 launches
+   through the plugin at the default sampling rate: is the recorded peak >= steady + 2 GiB?
+2. ddp: nproc=[1, 2] NCCL DDP on two GPUs; each rank reads its own NVML/nvidia-smi figure while it
+   holds its peak; the plugin's recorded peak must be within 1% of it; the 1 -> 2 ratio.
+3. leases: 8 one-GPU tests under `pytest -n 2` (and `-n 0` for the throughput ratio); the lease log
+   must show no GPU held by two tests at once.
+4. grid: spikes of 256 MiB .. 2 GiB held 1 .. 50 ms, watched by the sampler directly: capture rate.
+5. cost: CPU time of the sampler per GPU per second while a job holds memory steady.
+It reads GPU settings (accounting mode) and never changes any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pytest_gpumem.sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus  # noqa: E402
+
+MiB = 1024 * 1024
+
+OWN_USAGE = '''
+import os, subprocess, pynvml
+
+def own_usage_mib():
+    """What NVML and nvidia-smi say this process uses on its GPU right now."""
+    pynvml.nvmlInit()
+    uuid = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    nvml = [p.usedGpuMemory / 2**20 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if p.pid == os.getpid()]
+    pynvml.nvmlShutdown()
+    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    rows = [float(line.split(",")[1]) for line in smi.splitlines() if line.split(",")[0].strip() == str(os.getpid())]
+    return (nvml[0] if nvml else None), (rows[0] if rows else None)
+'''
+
+SPIKE = OWN_USAGE + '''
+import json, time
+import pytest
+import torch
+
+@pytest.mark.gpumem(nproc=1, device="gpu", timeout=120)
+@pytest.mark.parametrize("run", range(20))
+def test_spike(run):
+    steady = torch.ones(256 * 2**20 // 4, device="cuda")
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    steady_mib, _ = own_usage_mib()
+    spike = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")   # cudaMalloc of 2 GiB
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    time.sleep(0.005)
+    held = time.monotonic() - t0
+    del spike
+    torch.cuda.empty_cache()                                            # cudaFree
+    torch.cuda.synchronize()
+    time.sleep(0.1)
+    with open(os.path.join(os.environ["EVIDENCE"], f"spike-{run}.json"), "w") as f:
+        json.dump({"steady_mib": steady_mib, "held_s": held}, f)
+'''
+
+DDP = OWN_USAGE + '''
+import json, time
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.gpumem(nproc=[1, 2], device="gpu", max_ratio=1.0, allow_mib=1024, launcher="torchrun", timeout=300)
+def test_ddp():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda())
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(512, 4096, device="cuda")
+    for _ in range(5):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    readings = []
+    for _ in range(5):                     # the caching allocator holds the peak: read it a few times
+        readings.append(own_usage_mib())
+        time.sleep(0.05)
+    with open(os.path.join(os.environ["EVIDENCE"], f"ddp-ws{world}-rank{rank}.json"), "w") as f:
+        json.dump({"nvml_mib": max(r[0] for r in readings), "smi_mib": max(r[1] for r in readings)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+'''
+
+LEASES = '''
+import time
+import pytest
+import torch
+
+@pytest.mark.gpumem(nproc=1, device="gpu", timeout=120)
+@pytest.mark.parametrize("job", range(8))
+def test_job(job):
+    x = torch.randn(8192, 8192, device="cuda")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        x = (x @ x).tanh()
+    torch.cuda.synchronize()
+'''
+
+
+def pytest_run(folder: Path, name: str, source: str, out: Path, *args: str, label: str = "") -> tuple[float, dict]:
+    test = folder / f"test_{name}.py"
+    test.write_text(textwrap.dedent(source))
+    report = out / f"{label or name}.json"
+    env = {**os.environ, "EVIDENCE": str(out), "GPUMEM_MISSING_BASELINE": "ignore"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--gpumem", "-p", "no:cacheprovider", "-q",
+                           f"--gpumem-report={report}", *args, str(test)],
+                          cwd=folder, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    (out / f"{report.stem}.log").write_text(proc.stdout + proc.stderr)
+    print(proc.stdout[-3000:])
+    return wall, json.loads(report.read_text()) if report.exists() else {"tests": []}
+
+
+def spike(folder: Path, out: Path) -> list[str]:
+    _, report = pytest_run(folder, "spike", SPIKE, out)
+    caught, rows = 0, []
+    for rec in report["tests"]:
+        run = int(rec["test"].split("[")[1].rstrip("]"))
+        truth = json.loads((out / f"spike-{run}.json").read_text())
+        peak = rec["sizes"][0]["gated_mib"]
+        ok = peak is not None and truth["steady_mib"] is not None and peak >= truth["steady_mib"] + 2048
+        caught += ok
+        rows.append(f"  run {run:2d}: steady {truth['steady_mib']:.0f} MiB, held {truth['held_s'] * 1e3:.1f} ms, "
+                    f"recorded peak {peak:.0f} MiB [{rec['sizes'][0]['methods']['0']}] {'caught' if ok else 'MISSED'}")
+    return [f"spike 2 GiB for 5 ms, default interval {DEFAULT_INTERVAL_S * 1e3:g} ms: caught in "
+            f"{caught} of {len(report['tests'])} launches"] + rows
+
+
+def ddp(folder: Path, out: Path) -> list[str]:
+    _, report = pytest_run(folder, "ddp", DDP, out)
+    lines = []
+    for rec in report["tests"]:
+        for size in rec["sizes"]:
+            ws = size["nproc"]
+            for rank, mib in size["ranks"].items():
+                truth = json.loads((out / f"ddp-ws{ws}-rank{rank}.json").read_text())
+                err = (mib - truth["nvml_mib"]) / truth["nvml_mib"] * 100
+                lines.append(f"  nproc={ws} rank {rank}: plugin {mib:.0f} MiB [{size['methods'][rank]}], "
+                             f"NVML at peak {truth['nvml_mib']:.0f} MiB, nvidia-smi {truth['smi_mib']:.0f} MiB, "
+                             f"difference {err:+.2f}%")
+            if size["ratio"] is not None:
+                lines.append(f"  ratio rank 0 nproc=1 -> {ws}: {size['ratio']:.3f}x ({rec['status']})")
+    return ["DDP nproc=[1, 2], NCCL, torchrun, one GPU per rank:"] + lines
+
+
+def leases(folder: Path, out: Path) -> list[str]:
+    lease_dir = out / "leases"
+    wall2, rep2 = pytest_run(folder, "leases", LEASES, out, "-n", "2", f"--gpumem-lease-dir={lease_dir}",
+                             label="leases-n2")
+    wall0, _ = pytest_run(folder, "leases", LEASES, out, "-n", "0", f"--gpumem-lease-dir={lease_dir}-serial",
+                          label="leases-n0")
+    events = [json.loads(line) for line in (lease_dir / "lease.log").read_text().splitlines()]
+    held: dict[str, str] = {}
+    overlaps = concurrent = 0
+    for event in sorted(events, key=lambda e: e["t"]):
+        for gpu in event["gpus"]:
+            if event["event"] == "acquire":
+                overlaps += gpu in held
+                held[gpu] = event["owner"]
+            else:
+                held.pop(gpu, None)
+        concurrent = max(concurrent, len(held))
+    (out / "lease.log").write_text((lease_dir / "lease.log").read_text())
+    return [f"leases: 8 one-GPU tests under -n 2: {len(events) // 2} leases, GPUs held by two tests at once: "
+            f"{overlaps}, most GPUs busy at once: {concurrent}, passed {sum(r['status'] == 'pass' for r in rep2['tests'])}/8",
+            f"suite throughput: -n 0 {wall0:.1f} s, -n 2 {wall2:.1f} s, speed-up {wall0 / wall2:.2f}x"]
+
+
+GRID_CHILD = '''
+import json, sys, time, torch
+sizes, durations, repeats = json.loads(sys.argv[1])
+steady = torch.ones(256 * 2**20 // 4, device="cuda"); torch.cuda.synchronize()
+print("ready", flush=True); sys.stdin.readline(); time.sleep(0.3)
+events = []
+for size in sizes:
+    for dur in durations:
+        for _ in range(repeats):
+            x = torch.empty(size * 2**20, dtype=torch.uint8, device="cuda"); torch.cuda.synchronize()
+            t0 = time.monotonic(); time.sleep(dur / 1e3); t1 = time.monotonic()
+            del x; torch.cuda.empty_cache(); torch.cuda.synchronize()
+            events.append([size, dur, t0, t1]); time.sleep(0.03)
+print(json.dumps(events), flush=True)
+'''
+
+
+def grid() -> list[str]:
+    sizes, durations, repeats = [256, 1024, 2048], [1, 2, 5, 10, 50], 5
+    gpus = visible_gpus()
+    child = subprocess.Popen([sys.executable, "-c", GRID_CHILD, json.dumps([sizes, durations, repeats])],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0].uuid})
+    assert child.stdout.readline().strip() == "ready"
+    sampler = NvmlSampler(gpus[:1])
+    sampler.add_process(0, child.pid)
+    sampler.start()
+    base = sampler._t0  # the timeline is relative to this monotonic instant
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    events = json.loads(child.stdout.readline())
+    child.wait()
+    sampler.stop()
+    samples = [(base + t, row.get(0)) for t, row in sampler.timeline()]
+    steady = min(v for _, v in samples if v is not None)
+    lines = [f"grid at {DEFAULT_INTERVAL_S * 1e3:g} ms (steady {steady:.0f} MiB): capture rate, worst error of the caught peak"]
+    for size in sizes:
+        cells = []
+        for dur in durations:
+            hits, errors = 0, []
+            for s, d, t0, t1 in events:
+                if (s, d) != (size, dur):
+                    continue
+                window = [v for t, v in samples if t0 - 0.05 <= t <= t1 + 0.05 and v is not None]
+                top = max(window, default=0.0)
+                if top >= steady + 0.98 * size:
+                    hits += 1
+                    errors.append(abs(top - steady - size) / size * 100)
+            cells.append(f"{dur}ms {hits}/{repeats}" + (f" ({max(errors):.1f}%)" if errors else ""))
+        lines.append(f"  {size:5d} MiB: " + ", ".join(cells))
+    return lines
+
+
+def cost() -> list[str]:
+    gpus = visible_gpus()
+    child = subprocess.Popen([sys.executable, "-c", "import torch,time; x=torch.ones(2**28, device='cuda'); "
+                              "torch.cuda.synchronize(); time.sleep(14)"], env={**os.environ})
+    time.sleep(6)
+    sampler = NvmlSampler(gpus)
+    sampler.add_process(0, child.pid)
+    c0, w0 = time.process_time(), time.monotonic()
+    sampler.start()
+    time.sleep(5)
+    sampler.stop()
+    c1, w1 = time.process_time(), time.monotonic()
+    child.wait()
+    share = (c1 - c0) / (w1 - w0) * 100
+    return [f"sampler cost at {DEFAULT_INTERVAL_S * 1e3:g} ms on {len(gpus)} GPU(s), steady job: "
+            f"{share:.2f}% of one core, {share / len(gpus):.2f}% per GPU"]
+
+
+def main() -> None:
+    out = Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    folder = out / "cases"
+    folder.mkdir(exist_ok=True)
+    info = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,accounting.mode,memory.total",
+                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    lines = ["GPUs (read only):"] + ["  " + line for line in info.splitlines()]
+    for part in (spike, ddp, leases):
+        lines += part(folder, out)
+    lines += grid() + cost()
+    text = "\n".join(lines)
+    (out / "gpu_evidence.txt").write_text(text + "\n")
+    print("=" * 30 + "\n" + text)
+
+
+if __name__ == "__main__":
+    main()
