@@ -1,10 +1,22 @@
-"""OneFlow eager *global* data parallel: a healthy job and one whose memory grows with the world size."""
+"""OneFlow eager *global* data parallel: a healthy job, and one whose per-rank memory grows with the world size.
+
+Rank-0 peak RSS on a 2-core CPU box, OneFlow 0.9.0, pytest launched in each rank by
+`python -m oneflow.distributed.launch`, MiB:
+
+    test                              nproc=1   nproc=2        nproc=4
+    test_oneflow_eager_dp               474      480 (1.01x)    479 (1.01x)
+    test_oneflow_eager_dp_inflated      601      864 (1.44x)   1119 (1.86x)
+
+Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 584 and 738 MiB, so the healthy test
+passes by ~100 MiB and the inflated one fails by ~125 MiB. (OneFlow maps ~240 MiB of library pages
+that count in RSS; in an earlier session they read ~120 MiB higher, 593/599 and 721/983, and the
+margins held.)
+"""
 import pytest
 
 flow = pytest.importorskip("oneflow")
 
-import os
-LOCAL_BATCH, FEATURES, HIDDEN, CLASSES, STEPS = int(os.environ.get('LB', 2048)), 16384, 64, 10, 3
+LOCAL_BATCH, FEATURES, HIDDEN, CLASSES, STEPS = 2048, 16384, 64, 10, 3  # 128 MiB of batch per rank
 
 
 def _train(broadcast_batch):
@@ -15,28 +27,31 @@ def _train(broadcast_batch):
         flow.nn.Linear(FEATURES, HIDDEN), flow.nn.ReLU(), flow.nn.Linear(HIDDEN, CLASSES)
     ).to_global(placement=placement, sbp=bcast)
     opt = flow.optim.SGD(model.parameters(), lr=0.01)
-    # Every rank materialises only its own LOCAL_BATCH rows of the global batch.
+    # The global batch is split along dim 0: each rank materialises only its LOCAL_BATCH rows.
     x = flow.randn(LOCAL_BATCH * world, FEATURES, placement=placement, sbp=split)
     y = flow.randint(0, CLASSES, (LOCAL_BATCH * world,), placement=placement, sbp=split)
     if broadcast_batch:  # the bug: S(0) -> B all-gathers the whole global batch onto every rank
         x, y = x.to_global(sbp=bcast), y.to_global(sbp=bcast)
     for _ in range(STEPS):
         loss = flow.nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # parameter gradients are P -> B all-reduced across the ranks
+        loss.backward()
+        assert model[0].weight.grad.sbp == (bcast,)  # P -> B: gradients all-reduced across ranks
         opt.step()
         opt.zero_grad()
-    assert model[0].weight.grad is None or model[0].weight.sbp == (bcast,)
     return loss.to_global(sbp=bcast).to_local().item()
 
 
-@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.25, allow_mib=64, launcher="oneflow")
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
 def test_oneflow_eager_dp():
-    """Healthy eager global DP: each rank holds 1/world of the batch, so its peak stays flat."""
+    """Healthy eager global DP: each rank holds 1/world of the global batch, so its peak stays flat."""
     assert _train(broadcast_batch=False) > 0
 
 
-@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.25, allow_mib=64, launcher="oneflow")
-@pytest.mark.xfail(strict=True, reason="broadcasting the batch inflates per-rank memory with the world size: the plugin must catch it")
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
+@pytest.mark.xfail(
+    strict=True,
+    reason="to_global(sbp=B) on the batch inflates per-rank memory with the world size: the plugin must catch it",
+)
 def test_oneflow_eager_dp_inflated():
     """The batch is converted to broadcast SBP, so every rank materialises world_size x its share."""
     assert _train(broadcast_batch=True) > 0

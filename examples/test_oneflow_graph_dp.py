@@ -1,0 +1,66 @@
+"""OneFlow nn.Graph data parallel: a healthy compiled training step, and one whose memory grows with the world size.
+
+Rank-0 peak RSS on a 2-core CPU box, OneFlow 0.9.0, pytest launched in each rank by
+`python -m oneflow.distributed.launch`, MiB:
+
+    test                              nproc=1   nproc=2        nproc=4
+    test_oneflow_graph_dp               496      518 (1.04x)    524 (1.06x)
+    test_oneflow_graph_dp_inflated      560      820 (1.46x)   1214 (2.17x)
+
+Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 611 and 688 MiB, so the healthy test
+passes by ~90 MiB and the inflated one fails by ~130 MiB. `print(graph)` after the first call shows
+the bug: the batch goes through a `hierarchical_parallel_cast` to sbp B and every op after it runs on
+the whole global batch.
+"""
+import pytest
+
+flow = pytest.importorskip("oneflow")
+
+LOCAL_BATCH, FEATURES, HIDDEN, CLASSES, STEPS = 1024, 16384, 64, 10, 3  # 64 MiB of batch per rank
+
+
+class TrainGraph(flow.nn.Graph):
+    def __init__(self, model, opt, broadcast_batch):
+        super().__init__()
+        self.model, self.broadcast_batch = model, broadcast_batch
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        if self.broadcast_batch:  # the bug: an S(0) -> B boxing all-gathers the global batch on every rank
+            x = x.to_global(sbp=flow.sbp.broadcast)
+            y = y.to_global(sbp=flow.sbp.broadcast)
+        loss = flow.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()  # the compiler inserts the P -> B all-reduce of the parameter gradients
+        return loss
+
+
+def _train(broadcast_batch):
+    world = flow.env.get_world_size()
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    split, bcast = flow.sbp.split(0), flow.sbp.broadcast
+    model = flow.nn.Sequential(
+        flow.nn.Linear(FEATURES, HIDDEN), flow.nn.ReLU(), flow.nn.Linear(HIDDEN, CLASSES)
+    ).to_global(placement=placement, sbp=bcast)
+    graph = TrainGraph(model, flow.optim.SGD(model.parameters(), lr=0.01), broadcast_batch)
+    # The global batch is split along dim 0: each rank materialises only its LOCAL_BATCH rows.
+    x = flow.randn(LOCAL_BATCH * world, FEATURES, placement=placement, sbp=split)
+    y = flow.randint(0, CLASSES, (LOCAL_BATCH * world,), placement=placement, sbp=split)
+    for _ in range(STEPS):
+        loss = graph(x, y)
+    return loss.to_global(sbp=bcast).to_local().item()
+
+
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
+def test_oneflow_graph_dp():
+    """Healthy nn.Graph DP: each rank holds 1/world of the global batch, so its peak stays flat."""
+    assert _train(broadcast_batch=False) > 0
+
+
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
+@pytest.mark.xfail(
+    strict=True,
+    reason="an S(0) -> B boxing of the batch inflates per-rank memory with the world size: the plugin must catch it",
+)
+def test_oneflow_graph_dp_inflated():
+    """The graph boxes the batch S(0) -> B, so every rank materialises world_size x its share."""
+    assert _train(broadcast_batch=True) > 0
