@@ -9,7 +9,7 @@ OF := .venv-oneflow
 TO := .venv-torch
 PYTEST_FLAGS ?= -p no:cacheprovider
 
-.PHONY: test test-unit test-torch test-oneflow demo demo-torch demo-oneflow bench venvs clean
+.PHONY: test demo demo-torch demo-oneflow baselines bench venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -42,6 +42,10 @@ demo-oneflow: $(OF)/.ready
 
 demo-torch: $(TO)/.ready
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_torch_ddp.py examples/test_script_mode.py
+
+# Rewrite the examples' stored baselines (review the diff, then commit baselines/).
+baselines: venvs
+	$(MAKE) demo PYTEST_FLAGS="$(PYTEST_FLAGS) --gpumem-refresh"
 
 clean:
 	rm -rf $(OF) $(TO)

@@ -275,6 +275,11 @@ class ParentSide:
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
             terminalreporter.write_line(line)
+        caught = [(r["test"], r["status"], m) for r in records for m in r["messages"]]
+        if caught:
+            terminalreporter.section("gpumem: limits exceeded")
+            for test, status, message in caught:
+                terminalreporter.write_line(f"{status} {test}: {message}")
         lines = refresh_lines(records)
         if lines:
             terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")
