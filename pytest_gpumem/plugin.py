@@ -18,9 +18,10 @@ import pytest
 
 from . import settings as settings_mod
 from .baseline import BaselineError, BaselineStore, Entry, host_provenance
+from .explain import config_provenance, provenance_diff, timeline_lines
 from .gpus import GpuPlanner
 from .leases import default_lease_dir
-from .rank import WORKDIR_ENV, rank_file, write_json_atomic
+from .rank import SNAPSHOT_ENV, WORKDIR_ENV, rank_file, write_json_atomic
 from .report import record, refresh_lines, table
 from .runner import Runner, TestRun
 from .spec import Spec, SpecError, parse_marker
@@ -65,6 +66,27 @@ def pytest_configure(config: pytest.Config) -> None:
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
     config.pluginmanager.register(ParentSide(config, resolved), "gpumem-parent")
+
+
+@pytest.fixture
+def gpumem_config(request: pytest.FixtureRequest):
+    """Record the settings that move memory (``gpumem_config({"activation_checkpoint": True})``).
+
+    Inside a rank they are stored with the baseline and, when they differ from it, listed first
+    in the failure report. Outside a launch the call does nothing.
+    """
+    workdir = os.environ.get(WORKDIR_ENV)
+
+    def declare(settings: dict[str, Any]) -> None:
+        if not workdir:
+            return
+        path = rank_file(Path(workdir), int(os.environ.get("RANK", "0")), "config")
+        current = json.loads(path.read_text()) if path.exists() else {}
+        current.update({str(k): v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+                        for k, v in settings.items()})
+        write_json_atomic(path, current)
+
+    return declare
 
 
 class GpumemFailed(Exception):
@@ -139,6 +161,7 @@ class ParentSide:
             gpu_setup=GpuPlanner.for_this_machine(
                 resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
             host_interval_s=interval,
+            snapshot_dir=resolved.torch_snapshot,
         )
 
     @pytest.hookimpl(trylast=True)
@@ -172,28 +195,31 @@ class ParentSide:
     def run_item(self, item: GpumemItem) -> None:
         spec, test_id = item.spec, item.nodeid
         test = self.runner.run(test_id, spec)
+        test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
         problems = list(test.problems)
         notes = [note for run in test.runs for note in run.notes]
-        refs: dict[int, BaselineRef] = {}
+        stored: dict[int, Entry] = {}
         changes: dict[int, tuple[Entry | None, Entry]] = {}
         verdict: Verdict | None = None
-        if test.skip_reason is None and not problems:
+        if test.skip_reason is None and not problems and not self.settings.refresh:
             try:
-                if not self.settings.refresh:
-                    refs = self._baselines(test, notes, problems)
+                stored = self._baselines(test, notes, problems)
             except BaselineError as exc:
                 problems.append(f"baseline file unusable (left untouched): {exc}")
         if test.skip_reason is None and not problems:
+            refs = {n: BaselineRef(e.gated_mib, spec.tolerance) for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:
                 try:
                     changes = self._refresh(test, verdict)
                 except BaselineError as exc:
                     problems.append(f"baseline not refreshed (file left untouched): {exc}")
+        changed = provenance_diff(next(iter(stored.values())).provenance, test.provenance) if stored else []
         status = _status(test, verdict, problems)
-        rec = record(test, verdict, status, {n: r.mib for n, r in refs.items()})
+        rec = record(test, verdict, status, {n: e.gated_mib for n, e in stored.items()})
         rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
                                    for n, (old, new) in sorted(changes.items())]
+        rec["changed_since_baseline"] = changed
         item.user_properties.append((_RECORD_KEY, json.dumps(rec)))
         if test.skip_reason is not None:
             pytest.skip(test.skip_reason)
@@ -201,13 +227,13 @@ class ParentSide:
             raise GpumemFailed("\n".join(problems))
         assert verdict is not None
         if not verdict.passed:
-            raise GpumemFailed(verdict.render())
+            raise GpumemFailed(_explained(verdict, changed) + _snapshots(test, verdict))
         for note in verdict.notes:  # a pass worth a reviewer's look: improvements, foreign GPU users
             warnings.warn(GpumemWarning(note))
 
-    def _baselines(self, test: TestRun, notes: list[str], problems: list[str]) -> dict[int, BaselineRef]:
-        """Stored peaks for this platform; missing ones warn, or fail in CI (configurable)."""
-        refs: dict[int, BaselineRef] = {}
+    def _baselines(self, test: TestRun, notes: list[str], problems: list[str]) -> dict[int, Entry]:
+        """Stored entries for this platform; missing ones warn, or fail in CI (configurable)."""
+        stored: dict[int, Entry] = {}
         missing: list[int] = []
         platform = ""
         for result in test.results:
@@ -218,9 +244,9 @@ class ParentSide:
             if entry is None:
                 missing.append(result.world_size)
             else:
-                refs[result.world_size] = BaselineRef(entry.gated_mib, test.spec.tolerance)
+                stored[result.world_size] = entry
         if not missing:
-            return refs
+            return stored
         elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
         if elsewhere:
             notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
@@ -234,12 +260,12 @@ class ParentSide:
             problems.append(text + " (missing baselines fail when CI is set; gpumem_missing_baseline=warn to relax)")
         elif mode is False:
             warnings.warn(GpumemWarning(text))
-        return refs
+        return stored
 
     def _refresh(self, test: TestRun, verdict: Verdict) -> dict[int, tuple[Entry | None, Entry]]:
         spec = test.spec
         # The ranks' own view (their env knobs, the frameworks they imported), not pytest's.
-        provenance = {**(test.provenance or host_provenance(os.environ)), "launcher": spec.launcher}
+        provenance = {**host_provenance(os.environ), **test.provenance}
         entries: dict[int, Entry] = {}
         platform = ""
         for result in test.results:
@@ -293,12 +319,43 @@ class ParentSide:
             self.settings.report.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def _explained(verdict: Verdict, changed: list[str]) -> str:
+    """The verdict, then what differs from the baseline's provenance, then when each rank peaked."""
+    lines = [verdict.render()]
+    if changed:
+        lines.append("  changed since the baseline (declared config first):")
+        lines.extend(f"    {line}" for line in changed)
+    lines.append("  per-rank peaks over the run:")
+    lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
+    return "\n".join(lines)
+
+
+def _snapshots(test: TestRun, verdict: Verdict) -> str:
+    """Where the failing size's torch allocator snapshots are (open them at pytorch.org/memory_viz)."""
+    failing = {check.world_size for check in verdict.failures}
+    paths = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
+             if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
+    return "\n  torch memory snapshots (pytorch.org/memory_viz):\n" + "\n".join(paths) if paths else ""
+
+
 def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
     if test.skip_reason is not None:
         return "skip"
     if problems:
         return "ERROR"
     return "pass" if verdict is not None and verdict.passed else "FAIL"
+
+
+def _start_torch_history():
+    """torch, when it is installed and has a GPU; the history must start before the body allocates."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return torch
 
 
 class RankSide:
@@ -321,6 +378,17 @@ class RankSide:
             self._set("skipped", reason)
         elif report.passed and report.when == "call" and self.outcome is None:
             self.outcome = {"outcome": "passed", "text": ""}
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        """With --gpumem-torch-snapshot: the CUDA allocator's history of this rank, dumped after the body."""
+        recording = _start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
+        try:
+            return (yield)
+        finally:
+            if recording is not None:
+                recording.cuda.memory._dump_snapshot(str(rank_file(self.workdir, self.rank, "snapshot")))
+                recording.cuda.memory._record_memory_history(enabled=None)
 
     def _set(self, outcome: str, text: str) -> None:
         if self.outcome is None or self.outcome["outcome"] != "failed":

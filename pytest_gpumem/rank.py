@@ -22,6 +22,7 @@ from .baseline import host_provenance
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
+SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
 
 
 def rank_file(workdir: Path, rank: int, kind: str) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from .explain import imbalance, peak_times
 from .runner import TestRun
 from .verdict import Verdict
 
@@ -25,6 +26,8 @@ def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mappi
             "ranks": {str(r): p.mib for r, p in sorted(result.peaks.items())},
             "methods": {str(r): p.method for r, p in sorted(result.peaks.items())},
             "host_ranks": {str(r): p.mib for r, p in sorted(result.host_peaks.items())},
+            "peak_at_s": {str(r): round(t, 3) for r, t in sorted(peak_times(result).items())},
+            "imbalance": imbalance(result),
             "duration_s": round(result.duration_s, 3),
             "reused": result.reused,
             "timeline": [[round(t, 4), {str(r): round(v, 2) for r, v in point.items()}]

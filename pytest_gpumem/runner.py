@@ -16,8 +16,9 @@ from typing import Callable
 
 from .gpus import GpuPlan, no_gpus
 from .baseline import platform_key
+from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from .rank import rank_file
+from .rank import SNAPSHOT_ENV, rank_file
 from .sampling import Peak
 from .sampling.host import HostSampler
 from .spec import Spec
@@ -42,6 +43,7 @@ class SizeRun:
     provenance: dict[str, str] = field(default_factory=dict)
     gpu_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    snapshots: dict[int, Path] = field(default_factory=dict)  # rank -> torch allocator snapshot
 
     @property
     def all_skipped(self) -> str | None:
@@ -57,6 +59,7 @@ class TestRun:
     spec: Spec
     runs: list[SizeRun] = field(default_factory=list)
     skip_reason: str | None = None
+    provenance: dict[str, str] = field(default_factory=dict)  # rank 0's view, newest launch
 
     @property
     def problems(self) -> list[str]:
@@ -66,12 +69,6 @@ class TestRun:
     def results(self) -> list[SizeResult]:
         return [run.result for run in self.runs]
 
-    @property
-    def provenance(self) -> dict[str, str]:
-        for run in reversed(self.runs):
-            if run.provenance:
-                return run.provenance
-        return {}
 
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
@@ -87,6 +84,7 @@ class Runner:
         gpu_setup: GpuSetup = no_gpus,
         host_interval_s: float | None = None,
         keep_workdirs: bool = False,
+        snapshot_dir: Path | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -94,10 +92,19 @@ class Runner:
         self.gpu_setup = gpu_setup
         self.host_interval_s = host_interval_s
         self.keep_workdirs = keep_workdirs
+        self.snapshot_dir = snapshot_dir
         self.launches = 0
         self._references: dict[tuple, SizeRun] = {}
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
+        test = self._run(test_id, spec)
+        for run in reversed(test.runs):
+            if run.provenance:
+                test.provenance = dict(run.provenance)
+                break
+        return test
+
+    def _run(self, test_id: str, spec: Spec) -> TestRun:
         test = TestRun(test_id, spec)
         for nproc in spec.sizes:
             key = (test_id if spec.body_mode else None, spec.launch_key())
@@ -145,11 +152,12 @@ class Runner:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
+        snapshot_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**dict(spec.env), **plan.env},
+            env={**dict(spec.env), **plan.env, **snapshot_env},
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
@@ -170,10 +178,26 @@ class Runner:
         try:
             run = self._read(spec, nproc, workdir, launch, host, plan)
             run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+            run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
             return run
         finally:
             if not self.keep_workdirs:
                 shutil.rmtree(workdir, ignore_errors=True)
+
+    def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
+        """Move each rank's torch allocator snapshot out of the launch folder before it goes."""
+        if self.snapshot_dir is None:
+            return {}
+        kept = {}
+        stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_id)
+        for rank in range(nproc):
+            source = rank_file(workdir, rank, "snapshot")
+            if source.exists():
+                self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+                target = self.snapshot_dir / f"{stem}-nproc{nproc}-rank{rank}.pickle"
+                shutil.move(str(source), target)
+                kept[rank] = target
+        return kept
 
     def _read(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
               host: HostSampler, plan: GpuPlan) -> SizeRun:
@@ -189,6 +213,11 @@ class Runner:
             host.report_exit_peak(rank, float(data["maxrss_kib"]))
             if rank == 0:
                 provenance = dict(data.get("provenance", {}))
+        try:  # settings the test declared through the gpumem_config fixture
+            declared = json.loads(rank_file(workdir, 0, "config").read_text())
+            provenance.update(config_provenance(declared))
+        except (OSError, ValueError):
+            pass
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
         use_gpu = spec.device == "gpu" or (

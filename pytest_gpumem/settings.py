@@ -114,6 +114,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("lease_wait", "--gpumem-lease-wait", "GPUMEM_LEASE_WAIT", "gpumem_lease_wait",
            _positive_float, "600", "a number of seconds > 0",
            "how long a test waits for busy GPUs before it fails"),
+    Option("torch_snapshot", "--gpumem-torch-snapshot", "GPUMEM_TORCH_SNAPSHOT", "gpumem_torch_snapshot",
+           str, "", "a folder path",
+           "record torch CUDA allocator history in each rank and keep the snapshots of failing tests here"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
            str, "", "a file path", "write a JSON report of every gpumem test to this file"),
 )
@@ -139,6 +142,7 @@ class Settings:
     missing_baseline: str
     lease_dir: Path | None
     lease_wait: float
+    torch_snapshot: Path | None
     report: Path | None
 
     def defaults(self) -> Defaults:
@@ -195,12 +199,14 @@ def resolve(
     baselines = Path(values.pop("baselines"))
     report = values.pop("report")
     lease_dir = values.pop("lease_dir")
+    snapshot = values.pop("torch_snapshot")
     return Settings(
         enabled=enabled,
         refresh=refresh,
         baselines=baselines if baselines.is_absolute() else rootdir / baselines,
         report=Path(report) if report else None,
         lease_dir=Path(lease_dir) if lease_dir else None,
+        torch_snapshot=Path(snapshot) if snapshot else None,
         **values,
     )
 

@@ -101,6 +101,7 @@ class Spec:
     script: str | None = None
     module: str | None = None
     args: tuple[str, ...] = ()
+    config: tuple[tuple[str, str], ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -137,6 +138,7 @@ _ARGS = (
     "script",
     "module",
     "args",
+    "config",
 )
 _UNSET = object()
 
@@ -230,6 +232,12 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     if raw_args and script is None and module is None:
         raise SpecError("args is given without script or module: args are passed to that program")
 
+    config = kw.get("config") or {}
+    if not isinstance(config, Mapping) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in config.items()
+    ):
+        raise SpecError(f"config={config!r} is not accepted: expected a dict of str to str, number, bool or None")
+
     return Spec(
         nproc=nproc,
         max_mib=max_mib,
@@ -244,4 +252,5 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         script=script,
         module=module,
         args=tuple(raw_args),
+        config=tuple(sorted((k, str(v)) for k, v in config.items())),
     )

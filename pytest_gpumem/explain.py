@@ -1,0 +1,78 @@
+"""Why did it inflate? What changed since the baseline, and when in the run each rank peaked.
+
+In the motivating cases the hard part was the explanation: which framework commit, which flag
+(activation checkpointing), which rank. A failing test answers those itself.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from .verdict import SizeResult
+
+CONFIG_PREFIX = "config."
+_IGNORED = {"date"}
+
+
+def _rank(key: str) -> int:
+    """Declared config first, then frameworks and versions, then the environment knobs."""
+    if key.startswith(CONFIG_PREFIX):
+        return 0
+    if key.startswith("env."):
+        return 2
+    return 1
+
+
+def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    """``config.activation_checkpoint: True -> False`` lines, declared config first."""
+    keys = sorted((set(old) | set(new)) - _IGNORED, key=lambda k: (_rank(k), k))
+    lines = []
+    for key in keys:
+        before, after = old.get(key), new.get(key)
+        if before != after:
+            lines.append(f"{key}: {'(unset)' if before is None else before} -> "
+                         f"{'(unset)' if after is None else after}")
+    return lines
+
+
+def config_provenance(config: Mapping[str, object]) -> dict[str, str]:
+    """A test's declared settings, flattened for the baseline's provenance."""
+    return {f"{CONFIG_PREFIX}{key}": str(value) for key, value in sorted(config.items())}
+
+
+def peak_times(result: SizeResult) -> dict[int, float]:
+    """When each rank's memory was highest in the timeline (seconds since the launch started)."""
+    best: dict[int, tuple[float, float]] = {}
+    for t, point in result.timeline:
+        for rank, mib in point.items():
+            if rank not in best or mib > best[rank][0]:
+                best[rank] = (mib, t)
+    return {rank: t for rank, (_, t) in best.items()}
+
+
+def imbalance(result: SizeResult) -> float | None:
+    """(largest - smallest) / largest rank peak: a rank that holds more than its peers stands out."""
+    values = [p.mib for p in result.peaks.values() if p.mib is not None]
+    if len(values) < 2 or max(values) <= 0:
+        return None
+    return (max(values) - min(values)) / max(values)
+
+
+def timeline_lines(results: Iterable[SizeResult]) -> list[str]:
+    """Per world size: each rank's peak and when it happened, and the imbalance between ranks."""
+    lines = []
+    for result in results:
+        if result.reused:
+            continue
+        times = peak_times(result)
+        cells = []
+        for rank, peak in sorted(result.peaks.items()):
+            if peak.mib is None:
+                cells.append(f"rank {rank} n/a")
+                continue
+            at = f" at {times[rank]:.2f}s" if rank in times else ""
+            cells.append(f"rank {rank} {peak.mib:.1f} MiB{at}")
+        spread = imbalance(result)
+        tail = f"; imbalance {spread * 100:.1f}%" if spread is not None else ""
+        lines.append(f"nproc={result.world_size} ({result.duration_s:.1f} s): " + ", ".join(cells) + tail)
+    return lines
