@@ -1,6 +1,6 @@
 """GPU evidence on a real machine (torch + NCCL): run it where there are GPUs, commit what it prints.
 
-    PYTHONPATH=. PYTEST_PLUGINS=pytest_gpumem.plugin python benchmarks/gpu_evidence.py OUT_DIR
+    PYTHONPATH=. PYTEST_PLUGINS=pytest_gpumem.plugin python benchmarks/gpu_evidence.py OUT_DIR [--parts ...]
 
 1. spike: a rank holds a steady amount, allocates 2 GiB more for 5 ms and frees it; 20 launches
    through the plugin at the default sampling rate: is the recorded peak >= steady + 2 GiB?
@@ -15,6 +15,7 @@ It reads GPU settings (accounting mode) and never changes any.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -121,6 +122,95 @@ def test_job(job):
 '''
 
 
+OOM = '''
+import pytest
+import torch
+
+@pytest.mark.gpumem(nproc=1, device="gpu", timeout=120)
+def test_gpu_oom():
+    torch.cuda.set_per_process_memory_fraction(0.02)        # ~2.8 GiB of the H200
+    keep = [torch.empty(2**30, dtype=torch.uint8, device="cuda") for _ in range(8)]
+
+@pytest.mark.gpumem(nproc=1, device="gpu", timeout=120)
+def test_after_oom():
+    torch.ones(1, device="cuda")
+'''
+
+SNAPSHOT = '''
+import pytest
+import torch
+
+@pytest.mark.gpumem(nproc=1, device="gpu", max_mib=1000, timeout=120)
+def test_over_cap():
+    keep = [torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+'''
+
+INFLATE = OWN_USAGE + '''
+import pytest
+import torch
+import torch.distributed as dist
+
+def train(gather):
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    x = torch.randn(2**29 // 4 * 4, device="cuda")          # 2 GiB of activations per rank
+    if gather:                                               # the bug: every rank keeps every batch
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+    dist.all_reduce(torch.ones(1024, device="cuda"))
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+@pytest.mark.gpumem(nproc=[1, 2], device="gpu", max_ratio=1.0, allow_mib=1024, launcher="torchrun", timeout=300)
+def test_healthy():
+    train(False)
+
+@pytest.mark.xfail(strict=True, reason="all-gathered activations: rank memory grows with the world size")
+@pytest.mark.gpumem(nproc=[1, 2], device="gpu", max_ratio=1.0, allow_mib=1024, launcher="torchrun", timeout=300)
+def test_inflated():
+    train(True)
+'''
+
+
+def faults(folder: Path, out: Path) -> list[str]:
+    _, report = pytest_run(folder, "oom", OOM, out)
+    lines = ["GPU OOM in a rank (torch):"]
+    log = (out / "oom.log").read_text()
+    for rec in report["tests"]:
+        lines.append(f"  {rec['test']}: {rec['status']}")
+    lines.append("  message: " + next((l.strip() for l in log.splitlines() if "OutOfMemoryError" in l), "(none)"))
+    leftover = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.split()
+    lines.append(f"  compute processes left on the GPUs afterwards: {len(leftover)}")
+    return lines
+
+
+def snapshot(folder: Path, out: Path) -> list[str]:
+    snaps = out / "snapshots"
+    _, report = pytest_run(folder, "snapshot", SNAPSHOT, out, f"--gpumem-torch-snapshot={snaps}")
+    log = (out / "snapshot.log").read_text()
+    files = sorted(snaps.glob("*.pickle")) if snaps.exists() else []
+    named = [line.strip() for line in log.splitlines() if ".pickle" in line]
+    return ["torch allocator snapshot of a failing GPU test:",
+            f"  status {report['tests'][0]['status'] if report['tests'] else '?'}; files: "
+            + ", ".join(f"{f.name} ({f.stat().st_size} bytes)" for f in files),
+            "  printed: " + (named[0] if named else "(not printed)")]
+
+
+def inflate(folder: Path, out: Path) -> list[str]:
+    _, report = pytest_run(folder, "inflate", INFLATE, out)
+    lines = ["NCCL DDP nproc=[1, 2], healthy vs all-gathering variant (max_ratio 1.0 + 1024 MiB):"]
+    for rec in report["tests"]:
+        for size in rec["sizes"]:
+            ratio = "" if size["ratio"] is None else f", ratio {size['ratio']:.2f}x"
+            lines.append(f"  {rec['test'].split('::')[1]} nproc={size['nproc']}: ranks "
+                         + ", ".join(f"{r}: {m:.0f} MiB" for r, m in size["ranks"].items())
+                         + f"{ratio} -> {rec['status']}")
+        lines.extend(f"    {m}" for m in rec["messages"])
+    return lines
+
+
 def pytest_run(folder: Path, name: str, source: str, out: Path, *args: str, label: str = "") -> tuple[float, dict]:
     test = folder / f"test_{name}.py"
     test.write_text(textwrap.dedent(source))
@@ -147,7 +237,8 @@ def spike(folder: Path, out: Path) -> list[str]:
         caught += ok
         rows.append(f"  run {run:2d}: steady {truth['steady_mib']:.0f} MiB, held {truth['held_s'] * 1e3:.1f} ms, "
                     f"recorded peak {peak:.0f} MiB [{rec['sizes'][0]['methods']['0']}] {'caught' if ok else 'MISSED'}")
-    return [f"spike 2 GiB for 5 ms, default interval {DEFAULT_INTERVAL_S * 1e3:g} ms: caught in "
+    interval_ms = float(os.environ.get("GPUMEM_INTERVAL_MS") or DEFAULT_INTERVAL_S * 1e3)
+    return [f"spike 2 GiB for 5 ms, sampling every {interval_ms:g} ms: caught in "
             f"{caught} of {len(report['tests'])} launches"] + rows
 
 
@@ -208,14 +299,14 @@ print(json.dumps(events), flush=True)
 '''
 
 
-def grid() -> list[str]:
+def grid(interval_s: float) -> list[str]:
     sizes, durations, repeats = [256, 1024, 2048], [1, 2, 5, 10, 50], 5
     gpus = visible_gpus()
     child = subprocess.Popen([sys.executable, "-c", GRID_CHILD, json.dumps([sizes, durations, repeats])],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0].uuid})
     assert child.stdout.readline().strip() == "ready"
-    sampler = NvmlSampler(gpus[:1])
+    sampler = NvmlSampler(gpus[:1], interval_s)
     sampler.add_process(0, child.pid)
     sampler.start()
     base = sampler._t0  # the timeline is relative to this monotonic instant
@@ -226,7 +317,7 @@ def grid() -> list[str]:
     sampler.stop()
     samples = [(base + t, row.get(0)) for t, row in sampler.timeline()]
     steady = min(v for _, v in samples if v is not None)
-    lines = [f"grid at {DEFAULT_INTERVAL_S * 1e3:g} ms (steady {steady:.0f} MiB): capture rate, worst error of the caught peak"]
+    lines = [f"grid at {interval_s * 1e3:g} ms (steady {steady:.0f} MiB): capture rate, worst error of the caught peak"]
     for size in sizes:
         cells = []
         for dur in durations:
@@ -234,7 +325,9 @@ def grid() -> list[str]:
             for s, d, t0, t1 in events:
                 if (s, d) != (size, dur):
                     continue
-                window = [v for t, v in samples if t0 - 0.05 <= t <= t1 + 0.05 and v is not None]
+                # the spike lives from the cudaMalloc before t0 to the cudaFree after t1; the next
+                # spike starts 30 ms later, so the window stays well inside the gap
+                window = [v for t, v in samples if t0 - 0.005 <= t <= t1 + 0.015 and v is not None]
                 top = max(window, default=0.0)
                 if top >= steady + 0.98 * size:
                     hits += 1
@@ -244,12 +337,12 @@ def grid() -> list[str]:
     return lines
 
 
-def cost() -> list[str]:
+def cost(interval_s: float) -> list[str]:
     gpus = visible_gpus()
     child = subprocess.Popen([sys.executable, "-c", "import torch,time; x=torch.ones(2**28, device='cuda'); "
                               "torch.cuda.synchronize(); time.sleep(14)"], env={**os.environ})
     time.sleep(6)
-    sampler = NvmlSampler(gpus)
+    sampler = NvmlSampler(gpus, interval_s)
     sampler.add_process(0, child.pid)
     c0, w0 = time.process_time(), time.monotonic()
     sampler.start()
@@ -258,21 +351,35 @@ def cost() -> list[str]:
     c1, w1 = time.process_time(), time.monotonic()
     child.wait()
     share = (c1 - c0) / (w1 - w0) * 100
-    return [f"sampler cost at {DEFAULT_INTERVAL_S * 1e3:g} ms on {len(gpus)} GPU(s), steady job: "
+    return [f"sampler cost at {interval_s * 1e3:g} ms on {len(gpus)} GPU(s), steady job: "
             f"{share:.2f}% of one core, {share / len(gpus):.2f}% per GPU"]
 
 
 def main() -> None:
-    out = Path(sys.argv[1]).resolve()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--parts", default="spike,ddp,leases,grid,cost",
+                        help="comma list of spike, ddp, leases, grid, cost, faults, snapshot, inflate")
+    parser.add_argument("--intervals-ms", default=str(DEFAULT_INTERVAL_S * 1e3),
+                        help="sampling periods for grid and cost, comma list")
+    args = parser.parse_args()
+    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "cases"
     folder.mkdir(exist_ok=True)
     info = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,accounting.mode,memory.total",
                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     lines = ["GPUs (read only):"] + ["  " + line for line in info.splitlines()]
-    for part in (spike, ddp, leases):
-        lines += part(folder, out)
-    lines += grid() + cost()
+    parts = args.parts.split(",")
+    for name, part in (("spike", spike), ("ddp", ddp), ("leases", leases), ("faults", faults),
+                       ("snapshot", snapshot), ("inflate", inflate)):
+        if name in parts:
+            lines += part(folder, out)
+    for ms in map(float, args.intervals_ms.split(",")):
+        if "grid" in parts:
+            lines += grid(ms / 1e3)
+        if "cost" in parts:
+            lines += cost(ms / 1e3)
     text = "\n".join(lines)
     (out / "gpu_evidence.txt").write_text(text + "\n")
     print("=" * 30 + "\n" + text)

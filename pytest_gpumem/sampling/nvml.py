@@ -264,6 +264,7 @@ class NvmlSampler:
         self._mem_v2 = True
         self._gpus = {d.uuid: _Gpu(d) for d in self.devices}  # each GPU listed once per tick
         self._rank_of: dict[int, int] = {}  # pid -> rank
+        self._mapped = 0  # how many pids the last recorded sample knew
         self._sampled: dict[int, float] = {}  # rank -> MiB, largest per-tick sum over its pids
         self._accounted: dict[int, float] = {}
         self._samples: list[tuple[float, dict[int, float], tuple[float | None, ...]]] = []
@@ -356,11 +357,17 @@ class NvmlSampler:
         per_rank: dict[int, float] = {}
         seen: list[tuple[_Gpu, int]] = []
         used = tuple(self._device_used(gpu) for gpu in self._gpus.values())
+        relisted = False
         for gpu, u in zip(self._gpus.values(), used):
             moved = u is None or gpu.listed_used is None or abs(u - gpu.listed_used) >= _MOVED_MIB
             if moved or t - gpu.listed_at >= LIST_REFRESH_S:
                 gpu.procs = self._device_processes(gpu)
                 gpu.listed_used, gpu.listed_at = u, t
+                relisted = True
+        if not relisted and len(rank_of) == self._mapped:
+            return  # the hot path of a steady job: nothing moved, no new rank, nothing to record
+        self._mapped = len(rank_of)
+        for gpu in self._gpus.values():
             for pid, nbytes in gpu.procs:
                 if pid in rank_of:
                     seen.append((gpu, rank_of[pid]))
