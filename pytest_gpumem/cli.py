@@ -1,7 +1,9 @@
-"""``gpumem``: refresh and show stored baselines.
+"""``gpumem``: refresh and show stored baselines, diff two JSON reports.
 
 ``gpumem refresh [pytest args]`` is ``pytest --gpumem --gpumem-refresh [pytest args]`` in a fresh
 interpreter (the plugin does the writing, so the CLI and pytest can never disagree on the format).
+``gpumem diff OLD.json NEW.json`` compares two ``--gpumem-report`` files (main vs the PR, same
+job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import sys
 from pathlib import Path
 
 from .baseline import BaselineError, BaselineStore
+from .outputs import ReportError, compare, diff_markdown, diff_table, load_report
 from .settings import option
+from .spec import SpecError, parse_tolerance
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +32,16 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument(baselines.flag.replace("--gpumem-", "--"), dest="baselines",
                       default=os.environ.get(baselines.env or "", baselines.default),
                       help=f"{baselines.help} (default: {baselines.default})")
+    diff = sub.add_parser("diff", help="compare the gated peaks of two JSON reports (exit 1 on a regression)",
+                          description="Per test and world size: gated peak OLD -> NEW; a regression is "
+                                      "NEW > OLD + tolerance. Exit 0: none, 1: a regression, 2: bad input.")
+    diff.add_argument("old", type=Path, help="the reference report, e.g. from main (--gpumem-report)")
+    diff.add_argument("new", type=Path, help="the report to judge, e.g. from the pull request")
+    diff.add_argument("--tolerance", metavar="TOL",
+                      help='drift allowed above OLD, e.g. "5%%+32MiB" (default: each test\'s own tolerance)')
+    diff.add_argument("--markdown", metavar="PATH", type=Path, help="also write the comparison as Markdown here")
+    diff.add_argument("--labels", nargs=2, metavar=("OLD", "NEW"), default=("old", "new"),
+                      help="names of the two sides in the Markdown (default: old new)")
     return parser
 
 
@@ -49,6 +63,27 @@ def _show(directory: Path, pattern: str | None) -> int:
     return 0
 
 
+def _diff(args: argparse.Namespace) -> int:
+    """Thin: load, compare (outputs.compare), print; every input problem is exit 2 with its file."""
+    try:
+        tolerance = parse_tolerance(args.tolerance, "--tolerance") if args.tolerance is not None else None
+        old, new = load_report(args.old), load_report(args.new)
+    except (ReportError, SpecError) as exc:
+        print(f"gpumem diff: {exc}", file=sys.stderr)
+        return 2
+    result = compare(old, new, tolerance)
+    for line in diff_table(result):
+        print(line)
+    if args.markdown is not None:
+        try:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(diff_markdown(result, *args.labels))
+        except OSError as exc:
+            print(f"gpumem diff: cannot write {args.markdown}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    return 1 if result.regressions else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["refresh"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -56,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "pytest", "--gpumem", "--gpumem-refresh", *argv[1:]]
         return subprocess.call(command)
     args = _parser().parse_args(argv)
+    if args.command == "diff":
+        return _diff(args)
     return _show(Path(args.baselines), args.test)
 
 

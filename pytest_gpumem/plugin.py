@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from . import outputs, plots
 from . import settings as settings_mod
 from .baseline import BaselineError, BaselineStore, Entry, host_provenance
 from .explain import config_provenance, provenance_diff, timeline_lines
@@ -65,6 +66,11 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+    if resolved.plots is not None:
+        try:  # say so before the launches, not after them
+            plots.check_available()
+        except plots.PlotsUnavailable as exc:
+            raise pytest.UsageError(f"pytest-gpumem: --gpumem-plots: {exc}") from None
     config.pluginmanager.register(ParentSide(config, resolved), "gpumem-parent")
 
 
@@ -220,7 +226,10 @@ class ParentSide:
         rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
                                    for n, (old, new) in sorted(changes.items())]
         rec["changed_since_baseline"] = changed
+        if problems:
+            rec["messages"] = problems
         item.user_properties.append((_RECORD_KEY, json.dumps(rec)))
+        item.user_properties.extend(outputs.junit_properties(rec))
         if test.skip_reason is not None:
             pytest.skip(test.skip_reason)
         if problems:
@@ -284,6 +293,14 @@ class ParentSide:
             )
         return self.store.update(test.test_id, platform, entries) if entries else {}
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """The whole record travels on the call report (to the xdist controller), not into junit.xml."""
+        report = yield
+        if call.when == "teardown":
+            report.user_properties = [p for p in report.user_properties if p[0] != _RECORD_KEY]
+        return report
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
@@ -313,10 +330,30 @@ class ParentSide:
                 terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.settings.report is not None and not self.is_worker:
-            doc = {"schema": 1, "tests": sorted(self.records, key=lambda r: r["test"])}
-            self.settings.report.parent.mkdir(parents=True, exist_ok=True)
-            self.settings.report.write_text(json.dumps(doc, indent=2) + "\n")
+        """The controller writes each output once, covering every xdist worker."""
+        if self.is_worker:
+            return
+        s, records = self.settings, sorted(self.records, key=lambda r: r["test"])
+        if s.report is not None:
+            _write(s.report, json.dumps({"schema": 1, "tests": records}, indent=2) + "\n")
+        if s.benchmark_json is not None:
+            _write(s.benchmark_json, json.dumps(outputs.benchmark_json(records), indent=2) + "\n")
+        if not records:
+            return
+        text = outputs.markdown(records)
+        if s.markdown is not None:
+            _write(s.markdown, text)
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a") as handle:
+                handle.write(text + "\n")
+        if s.plots is not None:
+            plots.plot_all(records, s.plots)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def _explained(verdict: Verdict, changed: list[str]) -> str:

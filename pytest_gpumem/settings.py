@@ -117,6 +117,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("torch_snapshot", "--gpumem-torch-snapshot", "GPUMEM_TORCH_SNAPSHOT", "gpumem_torch_snapshot",
            str, "", "a folder path",
            "record torch CUDA allocator history in each rank and keep the snapshots of failing tests here"),
+    Option("markdown", "--gpumem-markdown", "GPUMEM_MARKDOWN", "gpumem_markdown",
+           str, "", "a file path",
+           "write a Markdown summary for a PR comment (also appended to $GITHUB_STEP_SUMMARY when set)"),
+    Option("plots", "--gpumem-plots", "GPUMEM_PLOTS", "gpumem_plots",
+           str, "", "a folder path", "write a memory-over-time PNG per gpumem test (needs matplotlib)"),
+    Option("benchmark_json", "--gpumem-benchmark-json", "GPUMEM_BENCHMARK_JSON", "gpumem_benchmark_json",
+           str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
            str, "", "a file path", "write a JSON report of every gpumem test to this file"),
 )
@@ -143,6 +150,9 @@ class Settings:
     lease_dir: Path | None
     lease_wait: float
     torch_snapshot: Path | None
+    markdown: Path | None
+    plots: Path | None
+    benchmark_json: Path | None
     report: Path | None
 
     def defaults(self) -> Defaults:
@@ -197,16 +207,14 @@ def resolve(
             text, source = option.default, "the default"
         values[option.name] = _parse(option, text, source)
     baselines = Path(values.pop("baselines"))
-    report = values.pop("report")
-    lease_dir = values.pop("lease_dir")
-    snapshot = values.pop("torch_snapshot")
+    texts = {name: values.pop(name) for name in
+             ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json")}
+    paths = {name: Path(text) if text else None for name, text in texts.items()}
     return Settings(
         enabled=enabled,
         refresh=refresh,
         baselines=baselines if baselines.is_absolute() else rootdir / baselines,
-        report=Path(report) if report else None,
-        lease_dir=Path(lease_dir) if lease_dir else None,
-        torch_snapshot=Path(snapshot) if snapshot else None,
+        **paths,
         **values,
     )
 

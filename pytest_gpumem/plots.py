@@ -1,0 +1,160 @@
+"""Memory-over-time plots, one PNG per test: each rank's samples and the limits they are judged by.
+
+matplotlib is optional (the ``plots`` extra): imported only when a plot is asked for, and drawn on
+an Agg canvas of its own, so the user's pyplot state and backend are never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .spec import SpecError, parse_tolerance
+
+Record = Mapping[str, Any]
+
+INSTALL_HINT = "plots need matplotlib: pip install 'pytest-gpumem[plots]'"
+
+
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says how to get it."""
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    """(Figure, FigureCanvasAgg), imported on first use."""
+    try:
+        import matplotlib  # noqa: F401  (first, so a missing package fails here and not half-way)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotsUnavailable(INSTALL_HINT) from exc
+    return Figure, FigureCanvasAgg
+
+
+def check_available() -> None:
+    """Raise PlotsUnavailable now: lets --gpumem-plots fail at start-up, not after an hour of launches."""
+    _matplotlib()
+
+
+def plot_filename(test_id: str) -> str:
+    """A file name for a test id: readable, safe on every filesystem, unique per id."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", test_id.replace("::", "__")).strip("._")[-120:]
+    digest = hashlib.sha1(test_id.encode()).hexdigest()[:8]
+    return f"{stem}-{digest}.png"
+
+
+def _series(size: Mapping[str, Any]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per rank: (seconds, MiB) from the record's ``timeline`` of ``[t, {rank: mib}]`` points."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for t, point in size.get("timeline") or []:
+        for rank, mib in point.items():
+            xs, ys = series.setdefault(str(rank), ([], []))
+            xs.append(float(t))
+            ys.append(float(mib))
+    return dict(sorted(series.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 10**9))
+
+
+def _reference(record: Record) -> float | None:
+    """The nproc=1 gated peak: what the ratio limit multiplies."""
+    for size in record.get("sizes", []):
+        if size.get("nproc") == 1 and size.get("gated_mib") is not None:
+            return float(size["gated_mib"])
+    return None
+
+
+def _limits(record: Record, size: Mapping[str, Any]) -> list[tuple[float, str, dict[str, Any]]]:
+    """(MiB, label, line style) for every limit that applies to this size."""
+    limits = record.get("limits") or {}
+    lines: list[tuple[float, str, dict[str, Any]]] = []
+    if limits.get("max_mib") is not None:
+        lines.append((float(limits["max_mib"]), f"max_mib {limits['max_mib']:.0f}",
+                      {"color": "tab:red", "linestyle": "-", "linewidth": 1.2}))
+    reference = _reference(record)
+    if limits.get("max_ratio") is not None and reference is not None and size.get("nproc", 1) > 1:
+        allow = float(limits.get("allow_mib") or 0.0)
+        lines.append((limits["max_ratio"] * reference + allow,
+                      f"ratio limit {limits['max_ratio']:.2f} x {reference:.0f} + {allow:.0f}",
+                      {"color": "tab:orange", "linestyle": "--", "linewidth": 1.2}))
+    base = size.get("baseline_mib")
+    if base is not None:
+        lines.append((float(base), f"baseline {base:.0f}", {"color": "0.35", "linestyle": ":", "linewidth": 1.2}))
+        try:
+            tolerance = parse_tolerance(limits.get("tolerance") or "0%")
+            lines.append((base + tolerance.allowance(base), f"baseline + {tolerance}",
+                          {"color": "0.35", "linestyle": "--", "linewidth": 1.0}))
+        except SpecError:
+            pass
+    return lines
+
+
+def _size_title(record: Record, size: Mapping[str, Any]) -> str:
+    gated = size.get("gated_mib")
+    peak = "no peak measured" if gated is None else f"{size.get('gated_rank', '?')} peak {gated:.1f} MiB"
+    ratio = "" if size.get("ratio") is None else f", {size['ratio']:.2f}x nproc=1"
+    verdict = "FAIL" if size.get("failed") else "ok"
+    reused = ", reference reused" if size.get("reused") else ""
+    return f"nproc={size.get('nproc')} ({size.get('device', '?')} memory): {peak}{ratio} — {verdict}{reused}"
+
+
+def _rank_color(index: int, count: int) -> tuple[float, float, float, float]:
+    from matplotlib import colormaps
+
+    return colormaps["viridis"](0.85 * index / max(1, count - 1) if count > 1 else 0.25)
+
+
+def _draw_size(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
+    series = _series(size)
+    gated = re.match(r"rank (\d+)", str(size.get("gated_rank", "")))
+    for i, (rank, (xs, ys)) in enumerate(series.items()):
+        is_gated = gated is not None and gated.group(1) == rank
+        # Ranks in blues and greens: red, orange and grey stay free for the limits.
+        color = _rank_color(i, len(series))
+        ax.plot(xs, ys, label=f"rank {rank}" + (" (gated)" if is_gated else ""), color=color,
+                linewidth=1.8 if is_gated else 0.9, zorder=3 if is_gated else 2)
+    if not series:
+        ax.text(0.5, 0.5, "no samples recorded", transform=ax.transAxes, ha="center", va="center", color="0.4")
+    if size.get("gated_mib") is not None:
+        ax.axhline(size["gated_mib"], color="black", linewidth=0.6, alpha=0.6,
+                   label=f"gated peak {size['gated_mib']:.0f}")
+    for mib, label, style in _limits(record, size):
+        ax.axhline(mib, label=label, **style)
+    ax.set_title(_size_title(record, size), fontsize=9, loc="left")
+    ax.set_ylabel("MiB")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+
+
+def plot(record: Record, path: Path) -> None:
+    """Write a PNG of every rank's memory over time, one panel per world size, limits drawn in."""
+    Figure, FigureCanvasAgg = _matplotlib()
+    sizes = list(record.get("sizes") or [])
+    panels = max(1, len(sizes))
+    fig = Figure(figsize=(10, 1.2 + 2.8 * panels))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    for ax, size in zip(axes, sizes):
+        _draw_size(ax, record, size)
+    if not sizes:
+        axes[0].text(0.5, 0.5, "no launch measured", transform=axes[0].transAxes, ha="center", va="center")
+    axes[-1].set_xlabel("seconds since launch")
+    title = "\n".join(textwrap.wrap(str(record.get("test", "?")), 110))
+    fig.suptitle(f"{title}\nverdict: {record.get('status', '?')}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+
+
+def plot_all(records: Iterable[Record], directory: Path) -> list[Path]:
+    """One PNG per measured test in ``directory``; returns the paths written."""
+    written = []
+    for rec in records:
+        if not rec.get("sizes"):
+            continue
+        path = Path(directory) / plot_filename(rec["test"])
+        plot(rec, path)
+        written.append(path)
+    return written

@@ -1,0 +1,338 @@
+"""CI gate outputs: Markdown summary, benchmark JSON, JUnit properties, plots, ``gpumem diff``.
+
+Fast: records are built by hand, plus one real JSON report (torch DDP on CPU, a healthy test and an
+inflating one) captured with ``pytest --gpumem --gpumem-report`` into tests/data/.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpumem import cli, outputs, plots
+
+REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
+HEALTHY = "examples/test_torch_ddp.py::test_torch_ddp"
+INFLATED = "examples/test_torch_ddp.py::test_torch_ddp_inflated"
+
+
+def size(nproc: int, gated: float | None, baseline: float | None = None, *, ratio: float | None = None,
+         failed: bool = False, device: str = "gpu", rank: str = "rank 0", reused: bool = False) -> dict[str, Any]:
+    ranks = {str(r): gated for r in range(nproc)}
+    return {"nproc": nproc, "device": device, "gated_rank": rank, "gated_mib": gated, "others_max_mib": gated,
+            "ratio": ratio, "baseline_mib": baseline, "ranks": ranks,
+            "methods": {r: "per-pid sampled" for r in ranks}, "host_ranks": {}, "duration_s": 1.0,
+            "reused": reused, "timeline": [[0.0, {"0": 10.0}], [0.5, {"0": gated or 0.0}]], "failed": failed}
+
+
+def rec(test: str, status: str, *sizes: dict[str, Any], messages: list[str] | None = None,
+        tolerance: str = "5%+32MiB", rank: int | str = 0, max_mib: float | None = None) -> dict[str, Any]:
+    return {"test": test, "status": status, "nproc": [s["nproc"] for s in sizes] or [2], "launcher": "direct",
+            "limits": {"max_mib": max_mib, "max_ratio": 1.2, "allow_mib": 16.0, "rank": rank,
+                       "tolerance": tolerance},
+            "sizes": list(sizes), "provenance": {}, "messages": messages or [], "notes": [],
+            "baseline_changes": []}
+
+
+@pytest.fixture(scope="module")
+def real() -> list[dict[str, Any]]:
+    return outputs.load_report(REAL)
+
+
+def mixed() -> list[dict[str, Any]]:
+    return [
+        rec("t/a.py::test_pass", "pass", size(1, 500.0, 500.0), size(2, 530.0, 500.0, ratio=1.06)),
+        rec("t/b.py::test_fail", "FAIL", size(1, 1000.0, 1000.0), size(8, 2650.0, 1100.0, ratio=2.65, failed=True),
+            messages=["rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x 1000.0 MiB\nsecond line"]),
+        rec("t/c.py::test_xfail", "XFAIL", size(2, 700.0, ratio=1.4, failed=True), messages=["expected"]),
+        rec("t/a.py::test_error", "ERROR"),
+        rec("t/e.py::test_skip", "skip"),
+        rec("t/f.py::test_xpass", "XPASS", size(2, 300.0, 300.0)),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- Markdown
+
+
+def test_markdown_headline_counts_regressions_first():
+    text = outputs.markdown(mixed())
+    assert text.splitlines()[0] == ("❌ **pytest-gpumem**: 1 regression, 1 error, 1 unexpected pass, "
+                                    "1 expected failure, 1 passed, 1 skipped")
+    assert outputs.markdown([rec("x::ok", "pass", size(1, 1.0))]).startswith("✅ **pytest-gpumem**: 1 passed")
+    assert "no gpumem test ran" in outputs.markdown([])
+
+
+def test_markdown_rows_regressions_then_xfail_xpass_then_the_rest():
+    rows = [line for line in outputs.markdown(mixed()).splitlines() if line.startswith("| `")]
+    tests = [row.split("`")[1] for row in rows]
+    assert tests == ["t/a.py::test_error", "t/b.py::test_fail", "t/b.py::test_fail",
+                     "t/c.py::test_xfail", "t/f.py::test_xpass",
+                     "t/a.py::test_pass", "t/a.py::test_pass", "t/e.py::test_skip"]
+    # A size that passed inside a failing test says "ok"; the failing size says FAIL.
+    assert rows[1].endswith("| ok |") and rows[2].endswith("| ❌ FAIL |")
+
+
+def test_markdown_delta_against_baseline_and_ratio():
+    text = outputs.markdown(mixed())
+    row = next(line for line in text.splitlines() if "test_pass` | 2 |" in line)
+    assert "| 530.0 (rank 0, gpu) | 500.0 | +30.0 MiB (+6.0%) | 1.06x | ✅ pass |" in row
+    row = next(line for line in text.splitlines() if "test_fail` | 8 |" in line)
+    assert "+1550.0 MiB (+140.9%)" in row and "2.65x" in row
+    assert outputs.format_delta(outputs.delta(480.0, 500.0)) == "-20.0 MiB (-4.0%)"
+    assert outputs.delta(10.0, 0.0) == (10.0, None)  # no percentage of zero
+    assert outputs.delta(10.0, None) is None
+
+
+def test_markdown_lists_messages_with_continuation_lines_indented():
+    text = outputs.markdown(mixed())
+    assert ("- **FAIL** `t/b.py::test_fail`: rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x 1000.0 MiB\n"
+            "  second line") in text
+    assert "- **ERROR** `t/a.py::test_error`: no measurement" in text
+    assert text.index("**Limits exceeded**") > text.index("| `t/e.py::test_skip`")
+
+
+def test_markdown_escapes_pipes_in_parametrized_ids():
+    text = outputs.markdown([rec("t.py::test_p[a|b]", "pass", size(1, 1.0))])
+    row = next(line for line in text.splitlines() if line.startswith("| `"))
+    assert "`t.py::test_p[a\\|b]`" in row
+    assert row.count(" | ") == 6  # seven cells, the id's pipe does not split one
+
+
+def test_markdown_stays_under_the_comment_limit_dropping_passing_rows_first():
+    many = [rec(f"t/big.py::test_{i:04d}", "pass", size(1, 100.0, 100.0)) for i in range(500)]
+    records = many + [rec("t/z.py::test_regressed", "FAIL", size(1, 900.0, 100.0, failed=True), messages=["grew"])]
+    text = outputs.markdown(records, max_chars=5000)
+    assert len(text) <= 5000
+    assert "t/z.py::test_regressed" in text.split("**Limits exceeded**")[0]  # its row survived
+    assert "more rows: see the JSON report" in text
+
+
+def test_markdown_of_the_real_report(real):
+    text = outputs.markdown(real)
+    assert text.startswith("✅ **pytest-gpumem**: 1 expected failure, 1 passed")
+    assert text.index(INFLATED) < text.index(HEALTHY + "`")
+    assert "(rank 0, cpu)" in text and "1.36x" in text
+    assert f"- **XFAIL** `{INFLATED}`: rank 0 at nproc=2 (cpu)" in text
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_json_is_custom_smaller_is_better(real):
+    entries = outputs.benchmark_json(real)
+    assert [e["name"] for e in entries] == [f"{HEALTHY} nproc=1 rank 0", f"{HEALTHY} nproc=2 rank 0",
+                                            f"{INFLATED} nproc=1 rank 0", f"{INFLATED} nproc=2 rank 0"]
+    for entry in entries:
+        assert set(entry) == {"name", "unit", "value", "extra"}
+        assert entry["unit"] == "MiB" and isinstance(entry["value"], float) and entry["value"] > 0
+        assert entry["extra"].startswith("cpu, high-water mark, rank 0")
+    assert "ratio 1.36x to nproc=1" in entries[3]["extra"]
+    json.dumps(entries)  # what the action reads
+
+
+def test_benchmark_json_names_stay_stable_and_skip_unmeasured():
+    records = [
+        rec("t::all", "pass", size(2, 900.0, rank="rank 1 (largest)"), rank="all"),
+        rec("t::crashed", "ERROR", size(2, 12.0)),
+        rec("t::half", "FAIL", size(1, None), size(2, 50.0)),
+    ]
+    entries = outputs.benchmark_json(records)
+    assert [e["name"] for e in entries] == ["t::all nproc=2 rank all", "t::half nproc=2 rank 0"]
+    assert "rank 1 (largest)" in entries[0]["extra"]
+
+
+# ---------------------------------------------------------------------------------------------- JUnit
+
+
+def test_junit_properties_per_size():
+    props = outputs.junit_properties(mixed()[1])
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in props)
+    got = dict(props)
+    assert got["gpumem_status"] == "FAIL"
+    assert got["gpumem_nproc"] == "1,8"
+    assert got["gpumem_device"] == "gpu"
+    assert got["gpumem_method"] == "per-pid sampled"
+    assert got["gpumem_nproc8_gated_mib"] == "2650.00"
+    assert got["gpumem_nproc8_baseline_mib"] == "1100.00"
+    assert got["gpumem_nproc8_delta_mib"] == "+1550.00"
+    assert got["gpumem_nproc8_delta_pct"] == "+140.91"
+    assert got["gpumem_nproc8_ratio"] == "2.650"
+    assert "gpumem_nproc1_ratio" not in got
+
+
+def test_junit_properties_of_an_unmeasured_test():
+    assert dict(outputs.junit_properties(rec("t::e", "ERROR"))) == {
+        "gpumem_status": "ERROR", "gpumem_nproc": "2", "gpumem_device": "-", "gpumem_method": "-", "gpumem_rank": "0"}
+
+
+def test_junit_properties_land_in_junit_xml(pytester, real):
+    """What the plugin will do: user_properties pairs become <property> elements of --junitxml."""
+    pytester.makepyfile(f'''
+def test_x(record_property):
+    for name, value in {outputs.junit_properties(real[0])!r}:
+        record_property(name, value)
+''')
+    pytester.runpytest("-p", "no:cacheprovider", "--junitxml=junit.xml").assert_outcomes(passed=1)
+    root = ET.parse(pytester.path / "junit.xml").getroot()
+    found = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert found["gpumem_status"] == "pass"
+    assert found["gpumem_nproc2_gated_mib"] == f"{real[0]['sizes'][1]['gated_mib']:.2f}"
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_a_png_per_test(real, tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = plots.plot_all(real, tmp_path / "plots")
+    assert [p.name for p in paths] == [plots.plot_filename(r["test"]) for r in real]
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000
+
+
+def test_plot_copes_with_missing_samples_and_limits(tmp_path):
+    pytest.importorskip("matplotlib")
+    bare = size(2, None, device="cpu")
+    bare["timeline"] = []
+    record = rec("t::odd[a/b|c]", "ERROR", bare, size(4, 900.0, 800.0, ratio=None, failed=True),
+                 max_mib=850.0, tolerance="broken")
+    path = tmp_path / plots.plot_filename(record["test"])
+    plots.plot(record, path)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert "/" not in path.name and "|" not in path.name
+    assert plots.plot_all([rec("t::skipped", "skip")], tmp_path) == []  # nothing measured, no file
+
+
+def test_plots_without_matplotlib_say_how_to_install(monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import raises ImportError
+    with pytest.raises(plots.PlotsUnavailable, match=r"plots need matplotlib: pip install 'pytest-gpumem\[plots\]'"):
+        plots.plot(mixed()[0], tmp_path / "x.png")
+    with pytest.raises(plots.PlotsUnavailable):
+        plots.check_available()
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------- diff
+
+
+def test_compare_classifies_every_size():
+    old = [
+        rec("t::grew", "pass", size(1, 1000.0)),
+        rec("t::within", "pass", size(1, 1000.0)),
+        rec("t::shrank", "pass", size(1, 1000.0)),
+        rec("t::gone", "pass", size(2, 10.0)),
+        rec("t::sizes", "pass", size(1, 10.0), size(2, 20.0)),
+        rec("t::moved", "pass", size(1, 10.0, device="cpu")),
+        rec("t::crash", "pass", size(1, 10.0)),
+    ]
+    new = [
+        rec("t::grew", "pass", size(1, 1050.1)),   # 5% of 1000 = 50 > 32: allowance 50
+        rec("t::within", "pass", size(1, 1050.0)),
+        rec("t::shrank", "pass", size(1, 900.0)),
+        rec("t::new", "pass", size(2, 10.0)),
+        rec("t::sizes", "pass", size(1, 10.0), size(4, 40.0)),
+        rec("t::moved", "pass", size(1, 500.0, device="gpu")),
+        rec("t::crash", "ERROR", size(1, None)),
+    ]
+    diff = outputs.compare(old, new)
+    kinds = {(r.test, r.nproc): r.kind for r in diff.rows}
+    assert kinds == {
+        ("t::grew", 1): "regression", ("t::within", 1): "unchanged", ("t::shrank", 1): "improved",
+        ("t::gone", 2): "removed", ("t::new", 2): "added", ("t::sizes", 1): "unchanged",
+        ("t::sizes", 2): "removed", ("t::sizes", 4): "added", ("t::moved", 1): "device changed",
+        ("t::crash", 1): "unmeasured",
+    }
+    assert diff.rows[0].test == "t::grew"  # regressions first
+    grew = diff.regressions[0]
+    assert grew.allowance_mib == pytest.approx(50.0)
+    assert grew.change == pytest.approx((50.1, 5.01))
+    assert diff.summary() == "1 regression, 1 unmeasured, 1 device changed, 1 improved, 2 unchanged, 2 added, 2 removed"
+
+
+def test_compare_tolerance_is_the_tests_own_unless_overridden():
+    old, new = [rec("t::a", "pass", size(1, 100.0), tolerance="1%")], [rec("t::a", "pass", size(1, 110.0), tolerance="1%")]
+    assert outputs.compare(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
+    assert outputs.compare(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
+    assert outputs.compare(old, new, "5%").rows[0].kind == "regression"
+
+
+def write_report(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps({"schema": 1, "tests": records}))
+    return path
+
+
+@pytest.fixture
+def reports(tmp_path, real) -> dict[str, Path]:
+    """The real report, the same with the healthy test 30% bigger at nproc=2, and broken ones."""
+    inflated = copy.deepcopy(real)
+    inflated[0]["sizes"][1]["gated_mib"] *= 1.3
+    bad_field = copy.deepcopy(real)
+    bad_field[1]["sizes"][0]["gated_mib"] = "lots"
+    (tmp_path / "not.json").write_text("{ not json")
+    (tmp_path / "schema.json").write_text(json.dumps({"schema": 7, "tests": []}))
+    return {
+        "real": REAL,
+        "inflated": write_report(tmp_path / "inflated.json", inflated),
+        "bad_field": write_report(tmp_path / "bad_field.json", bad_field),
+        "not_json": tmp_path / "not.json",
+        "schema": tmp_path / "schema.json",
+        "missing": tmp_path / "missing.json",
+    }
+
+
+def test_diff_cli_exit_codes(reports, capsys, tmp_path):
+    assert cli.main(["diff", str(reports["real"]), str(reports["real"])]) == 0
+    out = capsys.readouterr().out
+    assert "gpumem diff: 4 unchanged" in out and "10%+64MiB" in out  # the examples' own tolerance
+
+    md = tmp_path / "out" / "diff.md"
+    assert cli.main(["diff", str(reports["real"]), str(reports["inflated"]), "--markdown", str(md),
+                     "--labels", "main", "PR"]) == 1
+    out = capsys.readouterr().out
+    first = out.splitlines()[2]
+    assert first.startswith(HEALTHY) and first.endswith("REGRESSION") and "(+30.0%)" in first
+    assert md.read_text().startswith("❌ **gpumem diff** (main → PR): 1 regression, 3 unchanged")
+    # The other way round it is an improvement: no regression.
+    assert cli.main(["diff", str(reports["inflated"]), str(reports["real"])]) == 0
+    # A tolerance wide enough to absorb +30% passes.
+    assert cli.main(["diff", str(reports["real"]), str(reports["inflated"]), "--tolerance", "35%"]) == 0
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "missing.json: cannot read: No such file or directory"),
+    ("not_json", "not.json: not JSON: "),
+    ("schema", "schema.json: schema: expected 1 (a pytest --gpumem-report file), got 7"),
+    ("bad_field", "bad_field.json: tests[1].sizes[0].gated_mib: expected a number of MiB or null, got 'lots'"),
+])
+def test_diff_cli_bad_input_names_the_file(reports, capsys, case, message):
+    assert cli.main(["diff", str(reports["real"]), str(reports[case])]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_diff_cli_bad_tolerance(reports, capsys):
+    assert cli.main(["diff", str(reports["real"]), str(reports["real"]), "--tolerance", "lots"]) == 2
+    assert "--tolerance='lots' is not accepted" in capsys.readouterr().err
+
+
+def test_diff_as_a_command(reports):
+    def run(*args: Path | str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "diff", *map(str, args)],
+                              capture_output=True, text=True, timeout=60)
+
+    assert run(reports["real"], reports["real"]).returncode == 0
+    regressed = run(reports["real"], reports["inflated"])
+    assert regressed.returncode == 1 and "1 regression" in regressed.stdout
+    broken = run(reports["schema"], reports["real"])
+    assert broken.returncode == 2 and "schema.json: schema: expected 1" in broken.stderr
