@@ -172,3 +172,26 @@ def test_small():
     result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert len(ballast) > 0
+
+
+def test_one_to_eight_ranks_report_every_size_and_name_the_first_that_breaks(pytester, launch_tag):
+    """The 1 -> 8 scaling logic on CPU: memory that grows with the world size fails at the first size over."""
+    pytester.makepyfile('''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=[1, 2, 4, 8], max_ratio=1.5)
+def test_grows_with_world():
+    per_peer = bytearray(int(os.environ["WORLD_SIZE"]) * 25 * 1024 * 1024)   # a buffer per peer
+
+@pytest.mark.gpumem(nproc=[1, 2, 4, 8], max_ratio=1.5)
+def test_flat():
+    local = bytearray(25 * 1024 * 1024)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*gpumem: memory limit exceeded at nproc=4*",
+        "*rank 0 peak, nproc 1: * MiB | 2: * MiB (*x) | 4: * MiB (*x) FAIL | 8: * MiB (*x) FAIL*",
+        "*nproc=8 cpu MiB per rank {0: *, 1: *, 2: *, 3: *, 4: *, 5: *, 6: *, 7: *}*",
+    ])
