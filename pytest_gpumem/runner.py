@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from .gpus import GpuPlan, no_gpus
 from .baseline import platform_key
+from .gpus import GpuPlan, no_gpus
 from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .rank import SNAPSHOT_ENV, rank_file
@@ -68,7 +68,6 @@ class TestRun:
     @property
     def results(self) -> list[SizeResult]:
         return [run.result for run in self.runs]
-
 
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
@@ -144,6 +143,9 @@ class Runner:
         return ("pytest", *self.rank_pytest_args(test_id))
 
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan) -> SizeRun:
+        if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
+            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[plan.error])
         workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
@@ -162,10 +164,6 @@ class Runner:
             workdir=workdir,
             timeout=spec.timeout,
         )
-        if plan.error is not None:
-            plan.release()
-            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
-                           outcomes={}, problems=[plan.error])
         for sampler in samplers:
             sampler.start()
         try:
