@@ -61,9 +61,3 @@ class GpuPlanner:
             release=lease.release,
             notes=notes,
         )
-
-
-def no_gpus(spec: Spec, nproc: int, owner: str) -> GpuPlan:
-    if spec.device == "gpu":
-        return GpuPlan(skip_reason=f"needs {nproc} GPU(s) for nproc={nproc} but this machine has 0")
-    return GpuPlan()

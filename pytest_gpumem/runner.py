@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .baseline import platform_key
-from .gpus import GpuPlan, no_gpus
+from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .rank import SNAPSHOT_ENV, rank_file
@@ -80,7 +80,7 @@ class Runner:
         cwd: Path,
         rootdir: Path,
         rank_pytest_args: Callable[[str], list[str]],
-        gpu_setup: GpuSetup = no_gpus,
+        gpu_setup: GpuSetup = GpuPlanner(None),
         host_interval_s: float | None = None,
         keep_workdirs: bool = False,
         snapshot_dir: Path | None = None,
