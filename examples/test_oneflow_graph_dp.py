@@ -11,7 +11,13 @@ Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 611 and 688 MiB, s
 passes by ~90 MiB and the inflated one fails by ~130 MiB. `print(graph)` after the first call shows
 the bug: the batch goes through a `hierarchical_parallel_cast` to sbp B and every op after it runs on
 the whole global batch.
+
+`EXAMPLE_BATCH_SBP=broadcast` plays the pull request that introduces the bug into the healthy test:
+its committed baseline, its declared config and its boxing audit then explain the failure
+(see the README).
 """
+import os
+
 import pytest
 
 flow = pytest.importorskip("oneflow")
@@ -51,9 +57,11 @@ def _train(broadcast_batch):
 
 
 @pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
-def test_oneflow_graph_dp():
+def test_oneflow_graph_dp(gpumem_config):
     """Healthy nn.Graph DP: each rank holds 1/world of the global batch, so its peak stays flat."""
-    assert _train(broadcast_batch=False) > 0
+    batch_sbp = os.environ.get("EXAMPLE_BATCH_SBP", "split")
+    gpumem_config({"batch_sbp": batch_sbp, "local_batch": LOCAL_BATCH})
+    assert _train(broadcast_batch=batch_sbp == "broadcast") > 0
 
 
 @pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")

@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 from .verdict import SizeResult
 
 CONFIG_PREFIX = "config."
+BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
 _IGNORED = {"date"}
 
 
@@ -25,7 +26,8 @@ def _rank(key: str) -> int:
 
 def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     """``config.activation_checkpoint: True -> False`` lines, declared config first."""
-    keys = sorted((set(old) | set(new)) - _IGNORED, key=lambda k: (_rank(k), k))
+    keys = sorted((k for k in (set(old) | set(new)) - _IGNORED if not k.startswith(BOXING_PREFIX)),
+                  key=lambda k: (_rank(k), k))
     lines = []
     for key in keys:
         before, after = old.get(key), new.get(key)

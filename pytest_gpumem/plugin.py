@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from . import outputs, plots
+from . import boxing, outputs, plots
 from . import settings as settings_mod
 from .baseline import BaselineError, BaselineStore, Entry, host_provenance
 from .explain import config_provenance, provenance_diff, timeline_lines
@@ -236,7 +236,8 @@ class ParentSide:
             raise GpumemFailed("\n".join(problems))
         assert verdict is not None
         if not verdict.passed:
-            raise GpumemFailed(_explained(verdict, changed) + _snapshots(test, verdict))
+            raise GpumemFailed(_explained(verdict, changed) + _boxing(test, verdict, stored)
+                               + _snapshots(test, verdict))
         for note in verdict.notes:  # a pass worth a reviewer's look: improvements, foreign GPU users
             warnings.warn(GpumemWarning(note))
 
@@ -365,6 +366,23 @@ def _explained(verdict: Verdict, changed: list[str]) -> str:
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
     return "\n".join(lines)
+
+
+def _boxing(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> str:
+    """OneFlow nn.Graph SBP conversions at the first failing size, against its baseline's."""
+    failing = {check.world_size for check in verdict.failures}
+    # The largest failing size: one rank has no conversions to show.
+    run = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
+                if r.launch.nproc in failing and r.boxings), None)
+    if run is None:
+        return ""
+    size = run.launch.nproc
+    entry = stored.get(size)
+    old = boxing.from_provenance(entry.provenance) if entry else None
+    heading = (f"nn.Graph boxing (SBP conversions) at nproc={size} against the baseline:" if old is not None
+               else f"nn.Graph boxing (SBP conversions) at nproc={size} (no audited baseline to compare):")
+    lines = boxing.explain(old or {}, run.boxings)
+    return "\n  " + heading + "".join(f"\n    {line}" for line in lines) if lines else ""
 
 
 def _snapshots(test: TestRun, verdict: Verdict) -> str:

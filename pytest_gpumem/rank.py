@@ -19,14 +19,17 @@ import sys
 from pathlib import Path
 
 from .baseline import host_provenance
+from .boxing import install_graph_hook, rank_provenance
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
+BOXING_ENV = "GPUMEM_BOXING"  # "0" turns the OneFlow nn.Graph boxing audit off
 
 
 def rank_file(workdir: Path, rank: int, kind: str) -> Path:
-    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peak), ``result`` (test outcome)."""
+    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peak), ``result`` (test
+    outcome), ``config`` (declared settings), ``boxing`` (nn.Graph SBP conversions), ``snapshot``."""
     return workdir / f"rank-{rank}.{kind}"
 
 
@@ -84,7 +87,8 @@ def _report_exit(workdir: Path, rank: int) -> None:
     write_json_atomic(
         rank_file(workdir, rank, "exit"),
         {"pid": os.getpid(), "maxrss_kib": maxrss_kib,
-         "provenance": {**host_provenance(os.environ), **framework_versions()}},
+         "provenance": {**host_provenance(os.environ), **framework_versions(),
+                        **rank_provenance(rank_file(workdir, rank, "boxing"))}},
     )
 
 
@@ -107,6 +111,8 @@ def main(argv: list[str]) -> None:
     _redirect_output(rank_file(workdir, rank, "log"))
     stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if os.environ.get(BOXING_ENV, "1") != "0":  # costs nothing until oneflow is imported
+        install_graph_hook(rank_file(workdir, rank, "boxing"))
     write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
     atexit.register(_report_exit, workdir, rank)
 

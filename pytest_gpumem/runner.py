@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .baseline import platform_key
+from .boxing import read_records
 from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
@@ -44,6 +45,7 @@ class SizeRun:
     gpu_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     snapshots: dict[int, Path] = field(default_factory=dict)  # rank -> torch allocator snapshot
+    boxings: list[dict] = field(default_factory=list)  # rank 0's nn.Graph SBP conversions
 
     @property
     def all_skipped(self) -> str | None:
@@ -234,7 +236,9 @@ class Runner:
         )
         outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance,
-                      gpu_problems=list(getattr(gpu, "problems", []) or []))
+                      gpu_problems=list(getattr(gpu, "problems", []) or []),
+                      boxings=[b for rec in read_records(rank_file(workdir, 0, "boxing"))
+                               for b in rec.get("boxings", [])])
         run.problems = self._problems(spec, run, workdir)
         return run
 

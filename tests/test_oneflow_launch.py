@@ -89,3 +89,51 @@ def test_next():
         "*rank 1 of 2 ended without a result (oneflow launcher exit code 1)*",
     ])
     assert "timed out" not in result.stdout.str()
+
+
+GRAPH = '''
+import os
+import pytest
+import oneflow as flow
+
+class Step(flow.nn.Graph):
+    def __init__(self, model, opt, broadcast):
+        super().__init__()
+        self.model, self.broadcast = model, broadcast
+        self.add_optimizer(opt)
+
+    def build(self, x):
+        if self.broadcast:                      # the regression: S(0) -> B of the batch
+            x = x.to_global(sbp=flow.sbp.broadcast)
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+
+@pytest.mark.gpumem(nproc=2, tolerance="5%")
+def test_graph(gpumem_config):
+    sbp = os.environ["BATCH_SBP"]
+    gpumem_config({"batch_sbp": sbp})
+    placement = flow.placement("cpu", ranks=[0, 1])
+    model = flow.nn.Linear(4096, 8).to_global(placement=placement, sbp=flow.sbp.broadcast)
+    step = Step(model, flow.optim.SGD(model.parameters(), lr=0.1), sbp == "broadcast")
+    x = flow.randn(2 * 16384, 4096, placement=placement, sbp=flow.sbp.split(0))   # 256 MiB per rank
+    step(x)
+'''
+
+
+def test_failure_report_explains_with_config_and_boxing(pytester, launch_tag, monkeypatch):
+    pytester.makepyfile(GRAPH)
+    monkeypatch.setenv("BATCH_SBP", "split")
+    pytester.runpytest("--gpumem", "--gpumem-refresh", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    monkeypatch.setenv("BATCH_SBP", "broadcast")
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*rank 0 at nproc=2 (cpu): peak * MiB > baseline * MiB + tolerance 5% = * MiB*",
+        "*changed since the baseline (declared config first):*",
+        "*config.batch_sbp: split -> broadcast*",
+        "*per-rank peaks over the run:*",
+        "*nn.Graph boxing (SBP conversions) at nproc=2 against the baseline:*",
+        "*new: S(0)->B x1 (was 0)*",
+        "*(32768, 4096) float32 into *",
+    ])

@@ -1,0 +1,556 @@
+"""Boxing audit for OneFlow nn.Graph: which SBP conversions the compiled graph performs.
+
+A data-parallel training graph should box only its gradients (``P->B``, the all-reduce before the
+update). When SBP inference inserts anything else -- a ``P->S(0)`` reduce-scatter, an ``S(0)->B``
+all-gather of the batch -- every rank's memory grows with the world size (LiBai's Swin went
+5734 -> 15190 MiB at 8 ranks that way). This module lists those conversions so that a memory
+failure can say "new: P->S(0) x1 (was 0)" next to the number.
+
+How the conversions are found
+-----------------------------
+From the compiled job proto (``graph._compiled_graph_proto``; ``graph._compiled_job_proto`` in
+OneFlow 0.8/0.9 -- it is what ``nn.Graph`` parses from ``get_current_job_str()`` after compiling).
+Its fields have had the same names and meaning from OneFlow 0.7 to today's master:
+
+* ``net.op``: every op, including the ones the passes insert (``Sys-Boxing-GroupIdentity-*``,
+  ``_nccl_logical_*``, optimizer ops);
+* ``helper.op_name2arg_signature[op].bn_in_op2lbi``: each blob name of an op -> the logical blob it
+  reads or writes (an input is a blob whose ``op_name`` is another op);
+* ``job_parallel_view_conf.op_name2nd_sbp_signature_conf[op].bn_in_op2nd_sbp``: the SBP each op
+  wants on each input and gives each output;
+* ``placement.placement_group``: each op's ``parallel_conf``;
+* ``helper.lbn2logical_blob_desc``: logical shape and dtype of each blob.
+
+A conversion is an edge where the consumer wants an input SBP (or placement) other than the one its
+producer gives; the runtime inserts a boxing there (P->B is an all-reduce, P->S a reduce-scatter,
+S->B an all-gather, S(i)->S(j) an all-to-all). Explicit conversion ops that already sit in the job
+(``_nccl_logical_*``, inserted when ``nccl_use_compute_stream`` is on, on GPUs only) have matching
+SBPs on their edges, so for them the op's own input SBP -> output SBP is the conversion. Tick and
+control ops (no data) are ignored.
+
+Why the proto and not ``print(graph)``: the repr is generated from this same proto
+(``oneflow/nn/graph/util.py: operators_repr``), so it carries no more information; it is a
+format for people that changed between releases (0.8 writes ``-> (outs):placement=(...)`` and
+prints graph inputs/outputs as ``...``; 0.9 writes ``-> (outs), placement=(...)``), it leaves out ops
+it does not know how to print, and its placements are wrong in 0.9.0 (``GraphIR.get_op_placement``
+reuses its argument as a loop variable, so a parameter on ranks [0, 1] prints as ``ranks=[0]``;
+fixed after the release by OneFlow PR #9770). The boxing CSV of ``ONEFLOW_DEBUG_MODE`` would be
+the runtime's own list, but it crashed (SIGSEGV) on CPU here and switches the whole process to
+debug logging, which changes what is measured.
+The repr is kept as a fallback (``audit_repr``) for a OneFlow whose proto lacks these fields: it
+sees SBP changes but no placement changes.
+
+Everything here is plain Python; OneFlow is imported only inside functions that run in a rank that
+already imported it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+@dataclass(frozen=True)
+class Boxing:
+    """One SBP conversion the compiled graph performs."""
+
+    src: str  # the producer's SBP, e.g. "P", "S(0)", "B"; "(P, S(0))" for a 2-D hierarchy
+    dst: str  # the SBP the consumer wants
+    op: str  # the consuming op, "name (type)"
+    tensor: str  # the logical blob, "producer/blob (shape) dtype"
+    placement: str = ""  # "cpu:0 -> cpu:0-1" when the placement changes too, else ""
+
+    @property
+    def kind(self) -> str:
+        """What ``summarize`` counts: ``P->B``, or ``B->B [cpu:0 -> cpu:0-1]`` for a move."""
+        base = f"{self.src}->{self.dst}"
+        return f"{base} [{self.placement}]" if self.placement else base
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.tensor} into {self.op}"
+
+
+# --------------------------------------------------------------------------- rendering
+
+def _sbp_str(sbp: Any) -> str:
+    if sbp.HasField("split_parallel"):
+        return f"S({sbp.split_parallel.axis})"
+    if sbp.HasField("broadcast_parallel"):
+        return "B"
+    if sbp.HasField("partial_sum_parallel"):
+        return "P"
+    return "?"
+
+
+def _nd_sbp_str(nd_sbp: Any) -> str:
+    parts = [_sbp_str(s) for s in nd_sbp.sbp_parallel]
+    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    nums = sorted(set(numbers))
+    out: list[str] = []
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _devices(parallel_conf: Any) -> list[tuple[str, int]]:
+    """``device_name`` entries ("@0:0", "1:0-3") -> [(machine, device), ...]."""
+    out = []
+    for name in parallel_conf.device_name:
+        machine, _, devs = name.lstrip("@").partition(":")
+        first, _, last = devs.partition("-")
+        try:
+            out.extend((machine, d) for d in range(int(first), int(last or first) + 1))
+        except ValueError:
+            out.append((machine, -1))
+    return out
+
+
+def _placement_str(parallel_conf: Any) -> str:
+    """``cpu:0-1``, ``cuda:0-7``, ``cuda:0-7 (2, 4)``: the ranks (machine ids) it spans, and its hierarchy."""
+    devices = _devices(parallel_conf)
+    machines = [m for m, _ in devices]
+    if len(set(machines)) == len(machines) and all(m.isdigit() for m in machines):
+        text = f"{parallel_conf.device_tag}:{_ranges(int(m) for m in machines)}"
+    else:  # several devices per process (single-client OneFlow): show them as OneFlow writes them
+        text = f"{parallel_conf.device_tag}:{' '.join(parallel_conf.device_name)}"
+    dims = list(parallel_conf.hierarchy.dim) if parallel_conf.HasField("hierarchy") else []
+    if len(dims) > 1:
+        text += " (" + ", ".join(map(str, dims)) + ")"
+    return text
+
+
+def _placement_key(parallel_conf: Any) -> tuple:
+    dims = tuple(parallel_conf.hierarchy.dim) if parallel_conf.HasField("hierarchy") else ()
+    return (parallel_conf.device_tag, tuple(sorted(_devices(parallel_conf))), dims if len(dims) > 1 else ())
+
+
+def _dtype_str(data_type: int) -> str:
+    try:
+        import oneflow
+
+        return str(oneflow.dtype.get(int(data_type))).replace("oneflow.", "")
+    except Exception:
+        return f"dtype#{data_type}"
+
+
+def _blob_str(lbn: str, blob_desc: Any) -> str:
+    if blob_desc is None:
+        return lbn
+    dims = list(blob_desc.shape.dim)
+    shape = "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
+    return f"{lbn} {shape} {_dtype_str(blob_desc.data_type)}"
+
+
+# --------------------------------------------------------------------------- the proto audit
+
+# Ops that carry only control (ticks, callbacks): their edges move no data.
+_CONTROL_CONFS = ("wait_and_send_ids_conf", "callback_notify_conf")
+
+
+def _is_control(op_conf: Any) -> bool:
+    kind = op_conf.WhichOneof("op_type")
+    return kind is None or "tick" in kind or kind in _CONTROL_CONFS
+
+
+def _op_type(op_conf: Any) -> str:
+    kind = op_conf.WhichOneof("op_type") or "?"
+    if kind == "user_conf":
+        return op_conf.user_conf.op_type_name
+    return kind[: -len("_conf")] if kind.endswith("_conf") else kind
+
+
+def _is_conversion_op(op_type: str) -> bool:
+    """Ops that are themselves a boxing: their input SBP -> output SBP is the conversion.
+
+    Only the ``_nccl_logical_*`` user ops reach the job; the runtime's own boxing ops
+    (``boxing_conf``, ``slice_boxing_*``, ``collective_boxing_*``) exist only in the plan.
+    """
+    return op_type.startswith("_nccl_logical")
+
+
+def _bn_key(bn: str) -> tuple:
+    """``in_0`` < ``in_1`` < ``in_10``: the order of an argument's tensors."""
+    head, _, idx = bn.rpartition("_")
+    return (head, int(idx)) if idx.isdigit() else (bn, -1)
+
+
+def audit_job(job: Any) -> list[Boxing]:
+    """Every SBP/placement conversion in a compiled ``Job`` proto (``oneflow.core.job.job_pb2.Job``)."""
+    ops = {op.name: op for op in job.net.op}
+    sigs = job.job_parallel_view_conf.op_name2nd_sbp_signature_conf
+    args = job.helper.op_name2arg_signature
+    descs = job.helper.lbn2logical_blob_desc
+    if not ops or not len(sigs) or not len(args):
+        raise ValueError("the job proto has no ops, SBP signatures or arg signatures")
+    groups = list(job.placement.placement_group)
+    group_of: dict[str, int] = {}  # op name -> index of its placement group
+    for i, group in enumerate(groups):
+        for name in group.op_set.op_name:
+            group_of[name] = i
+    group_key = [_placement_key(g.parallel_conf) for g in groups]
+    group_str = [_placement_str(g.parallel_conf) for g in groups]
+    group_single = [len(_devices(g.parallel_conf)) == 1 for g in groups]
+
+    # lbn -> (producer op, output nd_sbp)
+    produced: dict[str, tuple[str, Any]] = {}
+    for name, op in ops.items():
+        if name not in args or name not in sigs:
+            continue
+        bn2sbp = sigs[name].bn_in_op2nd_sbp
+        for bn, lbi in args[name].bn_in_op2lbi.items():
+            if lbi.op_name == name and bn in bn2sbp:
+                produced[f"{lbi.op_name}/{lbi.blob_name}"] = (name, bn2sbp[bn])
+
+    found: list[Boxing] = []
+    seen: set[tuple] = set()
+    for name, op in ops.items():
+        if _is_control(op) or name not in args or name not in sigs:
+            continue
+        op_type = _op_type(op)
+        op_label = f"{name} ({op_type})"
+        bn2sbp = sigs[name].bn_in_op2nd_sbp
+        inputs, outputs = [], []
+        for bn, lbi in sorted(args[name].bn_in_op2lbi.items(), key=lambda kv: _bn_key(kv[0])):
+            (outputs if lbi.op_name == name else inputs).append((bn, f"{lbi.op_name}/{lbi.blob_name}"))
+        for bn, lbn in inputs:
+            if lbn not in produced or bn not in bn2sbp:
+                continue
+            producer, src_sbp = produced[lbn]
+            if _is_control(ops[producer]):
+                continue
+            dst_sbp = bn2sbp[bn]
+            src_group, dst_group = group_of.get(producer), group_of.get(name)
+            moved = (src_group is not None and dst_group is not None and src_group != dst_group
+                     and group_key[src_group] != group_key[dst_group])
+            src, dst = _nd_sbp_str(src_sbp), _nd_sbp_str(dst_sbp)
+            if src == dst and not moved:
+                continue
+            if not moved and dst_group is not None and group_single[dst_group]:
+                continue  # on one device every SBP is the same data: nothing moves
+            where = f"{group_str[src_group]} -> {group_str[dst_group]}" if moved else ""
+            key = (name, lbn, dst, where)
+            if key in seen:  # the same blob read twice by one op is boxed once
+                continue
+            seen.add(key)
+            found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn)), where))
+        if (_is_conversion_op(op_type) and len(inputs) == len(outputs)
+                and not (name in group_of and group_single[group_of[name]])):
+            for (ibn, lbn), (obn, _) in zip(inputs, outputs):
+                if ibn in bn2sbp and obn in bn2sbp:
+                    src, dst = _nd_sbp_str(bn2sbp[ibn]), _nd_sbp_str(bn2sbp[obn])
+                    if src != dst:
+                        found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn))))
+    return found
+
+
+# --------------------------------------------------------------------------- the repr fallback
+
+# 0.9: "name(ins) -> (outs), placement=(...)"; 0.8: "name(ins) -> (outs):placement=(...)".
+_OP_LINE = re.compile(r"\(OPERATOR: (?P<name>[^\s(]+)\((?P<ins>.*?)\) -> \((?P<outs>.*?)\)(?:,\s*placement=|:placement=|\)$)")
+_TENSOR = re.compile(
+    r"(?P<lbn>[\w.\-/]+):\(?sbp=\((?P<sbp>(?:[^()]|\([^()]*\))*)\), size=\((?P<size>[^)]*)\), dtype=\((?P<dtype>[^)]*)\)\)?"
+)
+
+
+def audit_repr(text: str) -> list[Boxing]:
+    """The same audit from ``repr(graph)`` after the first call (SBP changes only, no placements).
+
+    Lines look like ``(OPERATOR: name(lbn:(sbp=(S(0)), size=(8, 4), dtype=(oneflow.float32)), ...)
+    -> (lbn:(sbp=(P), ...)), placement=(...))``; an output written as a bare blob name (variables,
+    identities) belongs to the op itself.
+    """
+    ops: list[tuple[str, list[tuple[str, str, str]], list[tuple[str, str, str]]]] = []
+    for line in text.splitlines():
+        m = _OP_LINE.search(line.strip())
+        if not m:
+            continue
+        name = m.group("name")
+
+        def tensors(part: str, own: bool) -> list[tuple[str, str, str]]:
+            out = []
+            for t in _TENSOR.finditer(part):
+                lbn = t.group("lbn")
+                if own and "/" not in lbn:
+                    lbn = f"{name}/{lbn}"
+                sbp = t.group("sbp").replace(" ", "")
+                sbp = sbp if "," not in sbp else "(" + sbp.replace(",", ", ") + ")"
+                dtype = t.group("dtype").replace("oneflow.", "")
+                dims = [d.strip() for d in t.group("size").split(",") if d.strip()]
+                shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+                out.append((lbn, sbp, f"{lbn} {shape} {dtype}"))
+            return out
+
+        ops.append((name, tensors(m.group("ins"), False), tensors(m.group("outs"), True)))
+    if not ops:
+        raise ValueError("no operator lines in the graph's repr (not compiled yet?)")
+    produced = {lbn: sbp for _, _, outs in ops for lbn, sbp, _ in outs}
+    found, seen = [], set()
+    for name, ins, _ in ops:
+        for lbn, dst, label in ins:
+            src = produced.get(lbn)
+            if src is None or src == dst or (name, lbn, dst) in seen:
+                continue
+            seen.add((name, lbn, dst))
+            found.append(Boxing(src, dst, name, label))
+    return found
+
+
+# --------------------------------------------------------------------------- public API
+
+def graph_job(graph: Any) -> Any:
+    """The compiled job proto of a graph that has run once, or None."""
+    for attr in ("_compiled_graph_proto", "_compiled_job_proto"):
+        try:
+            job = getattr(graph, attr, None)
+        except Exception:
+            job = None
+        if job is not None:
+            return job
+    return None
+
+
+def audit_graph(graph: Any) -> list[Boxing]:
+    """The conversions of ``graph`` (an ``oneflow.nn.Graph`` after its first call).
+
+    From the compiled job proto; from ``repr(graph)`` when the proto is missing or lacks the fields
+    (another OneFlow version). Raises ValueError when neither works (e.g. the graph never ran).
+    """
+    if getattr(graph, "_is_compiled", True) is False:
+        raise ValueError(f"graph {getattr(graph, 'name', '?')} has not run yet: nothing is compiled")
+    job = graph_job(graph)
+    errors = []
+    if job is not None:
+        try:
+            return audit_job(job)
+        except Exception as exc:  # a proto of another shape: try the repr
+            errors.append(f"proto: {exc!r}")
+    try:
+        return audit_repr(repr(graph))
+    except Exception as exc:
+        errors.append(f"repr: {exc!r}")
+    raise ValueError("cannot audit the graph's boxing: " + "; ".join(errors))
+
+
+def summarize(boxings: Iterable[Boxing | Mapping[str, Any]]) -> dict[str, int]:
+    """``{"P->B": 3, "P->S(0)": 1}``: conversions counted by kind, keys sorted."""
+    counts: Counter[str] = Counter()
+    for b in boxings:
+        if not isinstance(b, Boxing):
+            b = Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor") if k in b},
+                       placement=b.get("placement", ""))
+        counts[b.kind] += 1
+    return dict(sorted(counts.items()))
+
+
+def diff(old: Mapping[str, int], new: Mapping[str, int]) -> list[str]:
+    """Human lines, the likely culprits first.
+
+    Kinds that are new, then kinds that grew (each group by the number added, largest first),
+    then kinds that shrank, then kinds that are gone:
+    ``["new: P->S(0) x2 (was 0)", "more: P->B x6 (was 4)", "gone: S(0)->B (was x1)"]``.
+    Empty when the counts are equal.
+    """
+    new_kinds, more, fewer, gone = [], [], [], []
+    for kind in set(old) | set(new):
+        a, b = int(old.get(kind, 0)), int(new.get(kind, 0))
+        if a == b:
+            continue
+        if a == 0:
+            new_kinds.append((a - b, kind, f"new: {kind} x{b} (was 0)"))
+        elif b == 0:
+            gone.append((b - a, kind, f"gone: {kind} (was x{a})"))
+        elif b > a:
+            more.append((a - b, kind, f"more: {kind} x{b} (was {a})"))
+        else:
+            fewer.append((b - a, kind, f"fewer: {kind} x{b} (was {a})"))
+    return [line for group in (new_kinds, more, fewer, gone) for _, _, line in sorted(group)]
+
+
+def graph_record(graph: Any) -> dict[str, Any]:
+    """``{"graph": name, "boxings": [...]}`` or, when the audit fails, ``{"graph": name, "error": ...}``."""
+    name = str(getattr(graph, "name", None) or type(graph).__name__)
+    try:
+        return {"graph": name, "boxings": [asdict(b) for b in audit_graph(graph)]}
+    except Exception as exc:
+        return {"graph": name, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a rank's hook wrote (none when the file is missing); broken lines are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def summarize_records(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """``summarize`` over every graph of a rank's records."""
+    return summarize(b for r in records for b in r.get("boxings", []))
+
+
+def explain(old: Mapping[str, int], boxings: Iterable[Boxing | Mapping[str, Any]], limit: int = 3) -> list[str]:
+    """``diff(old, summarize(boxings))``, each new or grown kind followed by up to ``limit`` of its
+    conversions (tensor with shape and dtype, consuming op) -- what to print under a failure::
+
+        new: S(0)->B x2 (was 0)
+          _TrainGraph_1_input.0.0_2/out (2048, 16384) float32 into hierarchical_parallel_cast-0 (...)
+          ...
+        gone: P->B (was x6)
+    """
+    found = [b if isinstance(b, Boxing) else Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor")},
+                                                     placement=b.get("placement", "")) for b in boxings]
+    new = summarize(found)
+    lines = []
+    for line in diff(old, new):
+        lines.append(line)
+        kind = line.split(": ", 1)[1].rsplit(" x", 1)[0]
+        if line.startswith(("new:", "more:")):
+            same = [b for b in found if b.kind == kind]
+            lines.extend(f"  {b.tensor} into {b.op}" for b in same[:limit])
+            if len(same) > limit:
+                lines.append(f"  ... and {len(same) - limit} more")
+    return lines
+
+
+# ---------------------------------------------------------- baseline provenance (flat strings)
+
+PROVENANCE_PREFIX = "boxing."
+_GRAPHS_KEY = PROVENANCE_PREFIX + "graphs"
+_ERROR_KEY = PROVENANCE_PREFIX + "error"
+
+
+def rank_provenance(path: Path) -> dict[str, str]:
+    """A rank's audit as flat provenance entries, for the baseline next to the framework versions.
+
+    ``{"boxing.graphs": "2", "boxing.P->B": "8", "boxing.P->S(0)": "2"}``; ``boxing.error`` names a
+    graph whose audit failed. Empty when the rank compiled no nn.Graph (the file is absent), so
+    tests without graphs keep the provenance they had.
+    """
+    records = read_records(path)
+    if not records:
+        return {}
+    prov = {_GRAPHS_KEY: str(len(records))}
+    prov.update({PROVENANCE_PREFIX + k: str(v) for k, v in summarize_records(records).items()})
+    errors = [f"{r.get('graph')}: {r['error']}" for r in records if "error" in r]
+    if errors:
+        prov[_ERROR_KEY] = "; ".join(errors)[:500]
+    return prov
+
+
+def from_provenance(provenance: Mapping[str, str]) -> dict[str, int] | None:
+    """The summary stored by ``rank_provenance``; None when that run audited no graph."""
+    if _GRAPHS_KEY not in provenance:
+        return None
+    out = {}
+    for key, value in provenance.items():
+        if key.startswith(PROVENANCE_PREFIX) and key not in (_GRAPHS_KEY, _ERROR_KEY):
+            try:
+                out[key[len(PROVENANCE_PREFIX):]] = int(value)
+            except ValueError:
+                continue
+    return out
+
+
+def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    """``diff`` between a baseline's provenance and a new run's; [] unless both audited graphs."""
+    before, after = from_provenance(old), from_provenance(new)
+    if before is None or after is None:
+        return []
+    return diff(before, after)
+
+
+# ------------------------------------------------------------------- the hook inside a rank
+
+_HOOK_FLAG = "_gpumem_boxing_hook"
+
+
+def _patch(flow: Any, out_path: Path) -> None:
+    graph_cls = flow.nn.Graph
+    if getattr(graph_cls.__call__, _HOOK_FLAG, False):
+        return
+    original = graph_cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        if self.__dict__.get(_HOOK_FLAG):  # after the first call: one dict lookup, nothing else
+            return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        self.__dict__[_HOOK_FLAG] = True
+        try:
+            record = graph_record(self)
+            with open(out_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except Exception:  # the audit must never change the test's outcome
+            pass
+        return result
+
+    functools.update_wrapper(__call__, original)  # keeps the docstring; __wrapped__ = the original
+    setattr(__call__, _HOOK_FLAG, True)
+    graph_cls.__call__ = __call__
+
+
+def install_graph_hook(out_path: Path) -> None:
+    """In a rank: after each nn.Graph's first call, append its audit to ``out_path`` (JSON lines).
+
+    Costs nothing and writes nothing when the rank never imports OneFlow: if it is already
+    imported the hook is set now, otherwise when ``oneflow.nn.graph`` is first imported (a
+    meta-path finder that steps aside at once). After a graph's first call the wrapper is one
+    dict lookup. A failed audit is recorded as ``{"graph": ..., "error": ...}``; it never raises.
+    """
+    out_path = Path(out_path)
+    flow = sys.modules.get("oneflow")
+    if flow is not None and hasattr(getattr(flow, "nn", None), "Graph"):
+        _patch(flow, out_path)
+    else:
+        sys.meta_path.insert(0, _GraphImportWatcher(out_path))
+
+
+class _GraphImportWatcher:
+    """A meta-path finder that waits for ``import oneflow``, lets the real finder load it, and wraps
+    ``oneflow.nn.Graph.__call__`` right after the package's ``__init__`` ran. It removes itself at
+    that import; until then it costs one string comparison per new import."""
+
+    def __init__(self, out_path: Path) -> None:
+        self.out_path = out_path
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "oneflow":
+            return None
+        import importlib.util
+
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the finders after us
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_original, out_path = spec.loader.exec_module, self.out_path
+
+        def exec_module(module: Any) -> None:
+            exec_original(module)
+            try:
+                _patch(module, out_path)
+            except Exception:  # an unexpected OneFlow: no audit, but the import stands
+                pass
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance
+        return spec
