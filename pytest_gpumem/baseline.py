@@ -352,9 +352,9 @@ class BaselineStore:
             _check_entry(file, where, new[str(ws)], ws, device)  # never write what we could not read back
         if not new:
             return {}
-        file.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.directory / LOCK_NAME), timeout=LOCK_TIMEOUT_S, mode=0o600)
         try:
+            file.parent.mkdir(parents=True, exist_ok=True)
             with lock:
                 loaded = _load(file)  # a bad file raises here, before anything is written
                 doc: dict[str, Any] = loaded[1] if loaded else {"schema": SCHEMA_VERSION, "tests": {}}
@@ -369,6 +369,9 @@ class BaselineStore:
         except Timeout as exc:
             raise _bad(Path(lock.lock_file), "lock", f"not acquired within {LOCK_TIMEOUT_S:g} s",
                        "no other pytest-gpumem process to hold it that long") from exc
+        except OSError as exc:  # a folder that is a file, read-only, full...
+            raise _bad(file, "(file)", f"cannot be written ({exc.strerror or exc})",
+                       "a writable baseline folder") from exc
         return changes
 
     @staticmethod

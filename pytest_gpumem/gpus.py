@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .leases import GpuLeases, LeaseTimeout
+from .leases import GpuLeases, LeaseError
 from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, foreign_processes, visible_gpus
 from .spec import Spec
 
@@ -35,6 +35,19 @@ class GpuPlanner:
         gpus = visible_gpus()
         return cls(GpuLeases(lease_dir, gpus, wait_s) if gpus else None, interval_s)
 
+    @classmethod
+    def lazy(cls, lease_dir, wait_s: float, interval_s: float | None) -> Callable[[Spec, int, str], GpuPlan]:
+        """Look for GPUs at the first launch, not when pytest starts: a session that launches
+        nothing (no --gpumem) never touches NVML."""
+        planner: list[GpuPlanner] = []
+
+        def plan(spec: Spec, nproc: int, owner: str) -> GpuPlan:
+            if not planner:
+                planner.append(cls.for_this_machine(lease_dir, wait_s, interval_s))
+            return planner[0](spec, nproc, owner)
+
+        return plan
+
     def __call__(self, spec: Spec, nproc: int, owner: str) -> GpuPlan:
         if spec.device == "cpu":
             return GpuPlan()
@@ -45,7 +58,7 @@ class GpuPlanner:
             return GpuPlan(skip_reason=f"needs {nproc} GPU(s) for nproc={nproc} but this machine has {have}")
         try:
             lease = self.leases.acquire(nproc, owner)
-        except LeaseTimeout as exc:
+        except LeaseError as exc:
             return GpuPlan(error=str(exc))
         notes = []
         for device in lease.devices:

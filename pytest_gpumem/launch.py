@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -62,15 +64,22 @@ class LaunchResult:
     leftovers: list[int] = field(default_factory=list)
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
+        """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
+        (~35 of them: they pushed "Fatal Python error: Segmentation fault" and the test's own
+        frame out of the 40 lines shown)."""
         try:
             text = rank_file(workdir, rank, "log").read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(_user_frames(text).splitlines()[-lines:])
 
 
 def free_port() -> int:
-    """A port the OS says is free now; the launch binds it a moment later (small race, retried)."""
+    """A port the OS says is free now, chosen afresh for each launch; rank 0 binds it a moment later.
+
+    Not retried: if another program takes the port in between, rank 0's rendezvous fails with
+    "address already in use" and the test fails naming that rank (tests/test_faults.py).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -118,9 +127,11 @@ def launcher_command(request: LaunchRequest, port: int) -> list[str]:
                 "--nproc_per_node", str(request.nproc), "--master_port", str(port),
                 "--logdir", str(request.workdir / "log"), *target]
     if request.launcher == "torchrun":
+        # --log-dir: torchrun's default is a fresh torchelastic_* folder in the system temp dir,
+        # never removed; inside the launch's private folder it goes away with it.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(request.nproc), "--max-restarts", "0",
-                "--monitor-interval", "0.1", *target]
+                "--monitor-interval", "0.1", "--log-dir", str(request.workdir / "torchrun"), *target]
     return [sys.executable, *target]
 
 
@@ -148,18 +159,27 @@ class Launch:
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command)
         log = open(req.workdir / "launcher.log", "wb")
         start = time.monotonic()
+        guard = _SignalGuard()
         try:
+            guard.arm()
             if req.launcher == "direct":
                 for rank in range(req.nproc):
                     self._spawn(command, direct_env(env, rank, req.nproc, port), log)
             else:
                 self._spawn(command, env, log)
             self._supervise(result, start)
+        except _FatalSignal as exc:
+            guard.held.append(exc.signum)  # raised again once the launch's processes are gone
         finally:
-            result.duration_s = time.monotonic() - start
-            result.leftovers = self._cleanup()
-            log.close()
-            self._collect_exit_codes(result)
+            guard.hold()
+            try:
+                result.duration_s = time.monotonic() - start
+                result.leftovers = self._cleanup()
+                log.close()
+                self._collect_exit_codes(result)
+            finally:
+                # A held SIGTERM/SIGHUP ends pytest right here: nobody will read the launch's folder.
+                guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
         return result
 
     def _spawn(self, command: Sequence[str], env: Mapping[str, str], log) -> None:
@@ -321,6 +341,73 @@ class Launch:
             result.launcher_returncode = codes[0] if codes else None
 
 
+class _FatalSignal(BaseException):
+    """SIGTERM or SIGHUP reached pytest mid-launch (SIGINT arrives as KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _SignalGuard:
+    """pytest must not die, nor be cut short by a second Ctrl-C, before the launch's processes are gone.
+
+    The ranks run in sessions of their own, so what is sent to pytest's process group (a terminal's
+    Ctrl-C, the SIGTERM of a CI runner or of ``timeout``) never reaches them. While a launch runs,
+    SIGTERM and SIGHUP whose action is still the default (die on the spot, no cleanup) raise an
+    exception instead, like SIGINT does; from the first such signal until every process is killed
+    (a few seconds at most) these signals are held. Then the old handlers come back and each held
+    signal is raised again: pytest ends as it would have, without orphans. Python only lets the
+    main thread set handlers; elsewhere the guard does nothing.
+    """
+
+    _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+    def __init__(self) -> None:
+        self._main = threading.current_thread() is threading.main_thread()
+        self._saved: dict[int, object] = {}
+        self._holding = False
+        self.held: list[int] = []
+
+    def _set(self, sig: int, handler) -> None:
+        if sig not in self._saved and signal.getsignal(sig) is None:
+            return  # a handler installed from C: Python could not put it back, leave it alone
+        old = signal.signal(sig, handler)
+        self._saved.setdefault(sig, old)
+
+    def arm(self) -> None:
+        if not self._main:
+            return
+        for sig in self._SIGNALS:
+            now = signal.getsignal(sig)
+            if now is (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL):
+                self._set(sig, self._interrupt)
+
+    def _interrupt(self, signum: int, frame) -> None:
+        self.hold()  # a second signal must not cut the cleanup short
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _FatalSignal(signum)
+
+    def hold(self) -> None:
+        if self._main and not self._holding:
+            self._holding = True
+            for sig in self._SIGNALS:
+                self._set(sig, lambda signum, frame: self.held.append(signum))
+
+    def release(self, before_dying: Callable[[], None] = lambda: None) -> None:
+        if not self._main:
+            return
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+        held = list(dict.fromkeys(self.held))
+        if any(signal.getsignal(sig) == signal.SIG_DFL for sig in held):
+            before_dying()
+        for sig in held:
+            signal.raise_signal(sig)  # SIG_DFL: pytest ends by that signal; SIGINT: KeyboardInterrupt
+
+
 _HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",
                    "pytest_gpumem/rank.py", "/runpy.py")
 
@@ -350,7 +437,10 @@ def describe_returncode(code: int | None) -> str:
         return "no exit status"
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"killed by signal {-code}"
+        if -code == signal.SIGKILL:  # what the kernel's OOM killer sends: say so
+            return f"killed by {name} (kill -9, or the kernel's OOM killer when memory ran out)"
+        return f"killed by {name}"
     return f"exit code {code}"

@@ -23,7 +23,11 @@ from .sampling.nvml import GpuDevice
 RETRY_S = 0.1
 
 
-class LeaseTimeout(RuntimeError):
+class LeaseError(RuntimeError):
+    """No lease: the GPUs stayed busy, or the lease folder cannot be trusted."""
+
+
+class LeaseTimeout(LeaseError):
     """The GPUs stayed busy longer than the configured wait."""
 
 
@@ -51,10 +55,22 @@ class GpuLeases:
         self.folder = folder
         self.gpus = list(gpus)
         self.wait_s = wait_s
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _check_folder(self) -> None:
+        """Made at the first lease, ours alone: a shared temp dir must not let others fake a lease."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            info = self.folder.stat()
+        except OSError as exc:
+            raise LeaseError(f"gpumem_lease_dir {str(self.folder)!r} cannot be used "
+                             f"({exc.strerror or exc}); expected a folder this user can create") from None
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise LeaseError(f"gpumem_lease_dir {str(self.folder)!r} belongs to another user or is "
+                             "writable by others; expected a folder of this user's alone")
 
     def acquire(self, count: int, owner: str) -> Lease:
         """Take ``count`` whole GPUs, all or none (no hold-and-wait), waiting at most ``wait_s``."""
+        self._check_folder()
         deadline = time.monotonic() + self.wait_s
         while True:
             held: list[tuple[GpuDevice, FileLock]] = []

@@ -66,6 +66,16 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+    for opt in ("report", "markdown", "benchmark_json", "plots"):
+        path = getattr(resolved, opt)
+        folder = path if opt == "plots" else (path.parent if path is not None else None)
+        try:  # an unwritable output is a usage error now, not a traceback after every launch ran
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise pytest.UsageError(
+                f"pytest-gpumem: gpumem_{opt} {str(path)!r}: cannot create {str(folder)!r} "
+                f"({exc.strerror or exc}); expected a writable path") from None
     if resolved.plots is not None:
         try:  # say so before the launches, not after them
             plots.check_available()
@@ -164,8 +174,7 @@ class ParentSide:
             cwd=Path(config.invocation_params.dir),
             rootdir=Path(config.rootpath),
             rank_pytest_args=self.rank_pytest_args,
-            gpu_setup=GpuPlanner.for_this_machine(
-                resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
+            gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
             host_interval_s=interval,
             snapshot_dir=resolved.torch_snapshot,
         )

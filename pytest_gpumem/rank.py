@@ -9,6 +9,7 @@ the versions of the frameworks it imported.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import faulthandler
 import json
 import os
@@ -92,6 +93,24 @@ def _report_exit(workdir: Path, rank: int) -> None:
     )
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this rank when its parent (pytest, or the launcher) dies, even by SIGKILL.
+
+    The ranks run in sessions of their own, so nothing else would reach them; a rank whose parent
+    is already gone ends at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _redirect_output(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()
@@ -105,6 +124,7 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
         raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
+    _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = int(os.environ.get("RANK", "0"))
 

@@ -149,6 +149,13 @@ class Runner:
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
         workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
+        try:  # the folder goes whatever happens, Ctrl-C included
+            return self._launch_in(test_id, spec, nproc, plan, workdir)
+        finally:
+            if not self.keep_workdirs:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path) -> SizeRun:
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
@@ -175,14 +182,10 @@ class Runner:
             for sampler in samplers:
                 sampler.stop()
             plan.release()
-        try:
-            run = self._read(spec, nproc, workdir, launch, host, plan)
-            run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
-            run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
-            return run
-        finally:
-            if not self.keep_workdirs:
-                shutil.rmtree(workdir, ignore_errors=True)
+        run = self._read(spec, nproc, workdir, launch, host, plan)
+        run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
+        return run
 
     def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
         """Move each rank's torch allocator snapshot out of the launch folder before it goes."""

@@ -238,9 +238,11 @@ def test_failure_mid_write_keeps_old_file_and_no_temp(store: BaselineStore, monk
         raise KeyboardInterrupt if victim == "fsync" else OSError(28, "No space left on device")
 
     monkeypatch.setattr(baseline.os, victim, crash)
-    with pytest.raises((OSError, KeyboardInterrupt)):
+    with pytest.raises((BaselineError, KeyboardInterrupt)) as info:
         store.update(TEST, CPU, {2: entry(200)})
     monkeypatch.undo()
+    if victim == "replace":  # an OSError is told as the file that could not be written, and why
+        assert "cannot be written (No space left on device)" in str(info.value)
     assert len(seen) == 1 and '"gated_mib": 200.0' in seen[0]
     assert file.read_bytes() == before and list(file.parent.glob(".*.tmp")) == []
     assert found(store, TEST, CPU, 2).gated_mib == 100

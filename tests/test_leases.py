@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.gpus import GpuPlanner
-from pytest_gpumem.leases import GpuLeases, LeaseTimeout
+from pytest_gpumem.leases import GpuLeases, LeaseError, LeaseTimeout
 from pytest_gpumem.sampling.nvml import GpuDevice
 from pytest_gpumem.spec import Defaults, parse_marker
 
@@ -90,7 +90,26 @@ def test_cpu_device_and_gpu_less_machine_take_no_lease(tmp_path):
     assert gpu.skip_reason == "needs 2 GPU(s) for nproc=2 but this machine has 0"
 
 
-def test_lease_folder_is_private(tmp_path):
+def test_lease_folder_is_made_at_the_first_lease_and_private(tmp_path):
     folder = tmp_path / "leases"
-    GpuLeases(folder, GPUS, wait_s=1)
+    leases = GpuLeases(folder, GPUS, wait_s=1)
+    assert not folder.exists(), "a session that leases nothing creates nothing"
+    leases.acquire(1, "t").release()
     assert folder.stat().st_mode & 0o077 == 0
+
+
+def test_lease_folder_writable_by_others_is_refused(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(LeaseError, match="writable by others; expected a folder of this user's alone"):
+        GpuLeases(folder, GPUS, wait_s=1).acquire(1, "t")
+
+
+def test_lease_folder_that_cannot_exist_is_an_error_naming_the_setting(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LeaseError, match="gpumem_lease_dir .*file/leases' cannot be used"):
+        GpuLeases(tmp_path / "file" / "leases", GPUS, wait_s=1).acquire(1, "t")
+    plan = GpuPlanner(GpuLeases(tmp_path / "file" / "leases", GPUS, wait_s=1))(
+        parse_marker((), {"nproc": 1}, Defaults()), 1, "t")
+    assert "gpumem_lease_dir" in plan.error
