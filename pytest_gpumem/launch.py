@@ -122,14 +122,17 @@ def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id:
 
 def launcher_command(request: LaunchRequest, port: int) -> list[str]:
     target = ["-m", "pytest_gpumem.rank", *request.rank_argv]
+    # A launcher is started through ``rank exec``, which binds it to die with pytest (its ranks
+    # die with it): even a SIGKILLed pytest leaves nothing running.
+    bound = [sys.executable, "-m", "pytest_gpumem.rank", "exec", sys.executable]
     if request.launcher == "oneflow":
-        return [sys.executable, "-m", "oneflow.distributed.launch",
+        return [*bound, "-m", "oneflow.distributed.launch",
                 "--nproc_per_node", str(request.nproc), "--master_port", str(port),
                 "--logdir", str(request.workdir / "log"), *target]
     if request.launcher == "torchrun":
         # --log-dir: torchrun's default is a fresh torchelastic_* folder in the system temp dir,
         # never removed; inside the launch's private folder it goes away with it.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [*bound, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(request.nproc), "--max-restarts", "0",
                 "--monitor-interval", "0.1", "--log-dir", str(request.workdir / "torchrun"), *target]
     return [sys.executable, *target]

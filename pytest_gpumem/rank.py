@@ -1,5 +1,7 @@
 """What runs inside a rank: ``python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]``.
 
+(``... rank exec PROGRAM [ARGS...]`` starts a launcher the same way: bound to die with pytest.)
+
 Whatever launcher started it, the rank announces its pid (so the parent can sample it), sends
 its output to a per-rank log, arms a stack dump on SIGUSR1 (used before a hung launch is
 killed), runs the target, and at exit writes its exact peak resident set (the kernel's high-water mark) and
@@ -121,8 +123,11 @@ def _redirect_output(path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["exec"]:  # a launcher (torchrun, OneFlow's) that must die with pytest
+        _die_with_parent()
+        os.execv(argv[1], argv[1:])
     if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
-        raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]")
+        raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module|exec TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])

@@ -344,15 +344,13 @@ def test_terminated():
 
 @pytest.mark.parametrize("launcher", ["direct", pytest.param("torchrun", marks=TORCH)])
 def test_pytest_killed_mid_launch_takes_its_ranks_along(pytester, launch_tag, launcher):
-    """SIGKILL leaves pytest no cleanup at all: each rank dies with its parent (PR_SET_PDEATHSIG),
-    under torchrun when the launcher dies, orphaned by pytest's death."""
+    """SIGKILL leaves pytest no cleanup at all: each rank dies with its parent (PR_SET_PDEATHSIG);
+    under torchrun the launcher dies with pytest and the ranks with the launcher."""
     pytester.makepyfile(test_killed=HELPERS + f'''
 
 @pytest.mark.gpumem(nproc=2, timeout=60, launcher="{launcher}")
 def test_killed():
     if os.environ["RANK"] == "1":
-        if "{launcher}" == "torchrun":
-            os.kill(launcher_pid(), signal.SIGKILL)
         os.kill(pytest_pid(), signal.SIGKILL)
     time.sleep(30)
 ''')
