@@ -16,17 +16,16 @@ from typing import Any
 
 import pytest
 
-from . import boxing, outputs, plots
+from . import outputs, plots
 from . import settings as settings_mod
-from .baseline import BaselineError, BaselineStore, Entry, host_provenance
-from .explain import config_provenance, provenance_diff, timeline_lines
+from .baseline import BaselineStore
+from .gate import Gate
 from .gpus import GpuPlanner
 from .leases import default_lease_dir
-from .rank import SNAPSHOT_ENV, WORKDIR_ENV, rank_file, write_json_atomic
-from .report import record, refresh_lines, table
-from .runner import Runner, TestRun
+from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, rank_file, start_torch_history, write_json_atomic
+from .report import refresh_lines, table
+from .runner import Runner
 from .spec import Spec, SpecError, parse_marker
-from .verdict import BaselineRef, Verdict, judge
 
 gpumem = pytest.mark.gpumem
 """``from pytest_gpumem import gpumem`` is this marker."""
@@ -34,7 +33,8 @@ gpumem = pytest.mark.gpumem
 _RECORD_KEY = "gpumem"
 _MARKER_DOC = (
     "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
-    "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=()): "
+    "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=(), "
+    "config=None): "
     "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
 )
 
@@ -66,16 +66,10 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
-    for opt in ("report", "markdown", "benchmark_json", "plots"):
-        path = getattr(resolved, opt)
-        folder = path if opt == "plots" else (path.parent if path is not None else None)
-        try:  # an unwritable output is a usage error now, not a traceback after every launch ran
-            if folder is not None:
-                folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise pytest.UsageError(
-                f"pytest-gpumem: gpumem_{opt} {str(path)!r}: cannot create {str(folder)!r} "
-                f"({exc.strerror or exc}); expected a writable path") from None
+    try:  # an unwritable output is a usage error now, not a traceback after every launch ran
+        resolved.make_output_folders()
+    except settings_mod.SettingsError as exc:
+        raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
     if resolved.plots is not None:
         try:  # say so before the launches, not after them
             plots.check_available()
@@ -91,18 +85,7 @@ def gpumem_config(request: pytest.FixtureRequest):
     Inside a rank they are stored with the baseline and, when they differ from it, listed first
     in the failure report. Outside a launch the call does nothing.
     """
-    workdir = os.environ.get(WORKDIR_ENV)
-
-    def declare(settings: dict[str, Any]) -> None:
-        if not workdir:
-            return
-        path = rank_file(Path(workdir), int(os.environ.get("RANK", "0")), "config")
-        current = json.loads(path.read_text()) if path.exists() else {}
-        current.update({str(k): v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-                        for k, v in settings.items()})
-        write_json_atomic(path, current)
-
-    return declare
+    return declare_config
 
 
 class GpumemFailed(Exception):
@@ -168,7 +151,7 @@ class ParentSide:
         self.specs: dict[str, Spec] = {}
         self.records: list[dict[str, Any]] = []
         interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
-        self.store = BaselineStore(resolved.baselines)
+        self.gate = Gate(resolved, BaselineStore(resolved.baselines))
         self.is_worker = hasattr(config, "workerinput")
         self.runner = Runner(
             cwd=Path(config.invocation_params.dir),
@@ -208,100 +191,15 @@ class ParentSide:
         return [*args, target]
 
     def run_item(self, item: GpumemItem) -> None:
-        spec, test_id = item.spec, item.nodeid
-        test = self.runner.run(test_id, spec)
-        test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
-        problems = list(test.problems)
-        notes = [note for run in test.runs for note in run.notes]
-        stored: dict[int, Entry] = {}
-        changes: dict[int, tuple[Entry | None, Entry]] = {}
-        verdict: Verdict | None = None
-        if test.skip_reason is None and not problems and not self.settings.refresh:
-            try:
-                stored = self._baselines(test, notes, problems)
-            except BaselineError as exc:
-                problems.append(f"baseline file unusable (left untouched): {exc}")
-        if test.skip_reason is None and not problems:
-            refs = {n: BaselineRef(e.gated_mib, spec.tolerance) for n, e in stored.items()}
-            verdict = judge(spec, test.results, refs, tuple(notes))
-            if self.settings.refresh:
-                try:
-                    changes = self._refresh(test, verdict)
-                except BaselineError as exc:
-                    problems.append(f"baseline not refreshed (file left untouched): {exc}")
-        changed = provenance_diff(next(iter(stored.values())).provenance, test.provenance) if stored else []
-        status = _status(test, verdict, problems)
-        rec = record(test, verdict, status, {n: e.gated_mib for n, e in stored.items()})
-        rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
-                                   for n, (old, new) in sorted(changes.items())]
-        rec["changed_since_baseline"] = changed
-        if problems:
-            rec["messages"] = problems
-        item.user_properties.append((_RECORD_KEY, json.dumps(rec)))
-        item.user_properties.extend(outputs.junit_properties(rec))
-        if test.skip_reason is not None:
-            pytest.skip(test.skip_reason)
-        if problems:
-            raise GpumemFailed("\n".join(problems))
-        assert verdict is not None
-        if not verdict.passed:
-            raise GpumemFailed(_explained(verdict, changed) + _boxing(test, verdict, stored)
-                               + _snapshots(test, verdict))
-        for note in verdict.notes:  # a pass worth a reviewer's look: improvements, foreign GPU users
-            warnings.warn(GpumemWarning(note))
-
-    def _baselines(self, test: TestRun, notes: list[str], problems: list[str]) -> dict[int, Entry]:
-        """Stored entries for this platform; missing ones warn, or fail in CI (configurable)."""
-        stored: dict[int, Entry] = {}
-        missing: list[int] = []
-        platform = ""
-        for result in test.results:
-            if result.world_size not in test.spec.nproc:
-                continue
-            platform = result.platform
-            entry = self.store.lookup(test.test_id, platform, result.world_size)
-            if entry is None:
-                missing.append(result.world_size)
-            else:
-                stored[result.world_size] = entry
-        if not missing:
-            return stored
-        elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
-        if elsewhere:
-            notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
-                         f"not compared on {platform}")
-        sizes = ", ".join(map(str, missing))
-        text = (f"no baseline stored for {test.test_id} on {platform} at nproc={sizes} "
-                f"in {self.store.file_for(test.test_id)}: record it with "
-                f"`gpumem refresh {test.test_id}` and commit the file")
-        mode = self.settings.fail_on_missing_baseline
-        if mode:
-            problems.append(text + " (missing baselines fail when CI is set; gpumem_missing_baseline=warn to relax)")
-        elif mode is False:
+        outcome = self.gate.evaluate(self.runner.run(item.nodeid, item.spec))
+        item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record)))
+        item.user_properties.extend(outputs.junit_properties(outcome.record))
+        if outcome.skip_reason is not None:
+            pytest.skip(outcome.skip_reason)
+        if outcome.failure is not None:
+            raise GpumemFailed(outcome.failure)
+        for text in outcome.warnings:
             warnings.warn(GpumemWarning(text))
-        return stored
-
-    def _refresh(self, test: TestRun, verdict: Verdict) -> dict[int, tuple[Entry | None, Entry]]:
-        spec = test.spec
-        # The ranks' own view (their env knobs, the frameworks they imported), not pytest's.
-        provenance = {**host_provenance(os.environ), **test.provenance}
-        entries: dict[int, Entry] = {}
-        platform = ""
-        for result in test.results:
-            label, gated = result.gated(spec.rank)
-            if result.world_size not in spec.nproc or gated is None:
-                continue
-            platform = result.platform
-            gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
-            entries[result.world_size] = Entry(
-                gated_mib=gated,
-                ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
-                rank=spec.rank,
-                device=result.device,
-                method=result.peaks[gated_rank].method,
-                provenance=provenance,
-            )
-        return self.store.update(test.test_id, platform, entries) if entries else {}
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -366,62 +264,6 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def _explained(verdict: Verdict, changed: list[str]) -> str:
-    """The verdict, then what differs from the baseline's provenance, then when each rank peaked."""
-    lines = [verdict.render()]
-    if changed:
-        lines.append("  changed since the baseline (declared config first):")
-        lines.extend(f"    {line}" for line in changed)
-    lines.append("  per-rank peaks over the run:")
-    lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
-    return "\n".join(lines)
-
-
-def _boxing(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> str:
-    """OneFlow nn.Graph SBP conversions at the first failing size, against its baseline's."""
-    failing = {check.world_size for check in verdict.failures}
-    # The largest failing size: one rank has no conversions to show.
-    run = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
-                if r.launch.nproc in failing and r.boxings), None)
-    if run is None:
-        return ""
-    size = run.launch.nproc
-    entry = stored.get(size)
-    old = boxing.from_provenance(entry.provenance) if entry else None
-    heading = (f"nn.Graph boxing (SBP conversions) at nproc={size} against the baseline:" if old is not None
-               else f"nn.Graph boxing (SBP conversions) at nproc={size} (no audited baseline to compare):")
-    lines = boxing.explain(old or {}, run.boxings)
-    return "\n  " + heading + "".join(f"\n    {line}" for line in lines) if lines else ""
-
-
-def _snapshots(test: TestRun, verdict: Verdict) -> str:
-    """Where the failing size's torch allocator snapshots are (open them at pytorch.org/memory_viz)."""
-    failing = {check.world_size for check in verdict.failures}
-    paths = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
-             if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
-    return "\n  torch memory snapshots (pytorch.org/memory_viz):\n" + "\n".join(paths) if paths else ""
-
-
-def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
-    if test.skip_reason is not None:
-        return "skip"
-    if problems:
-        return "ERROR"
-    return "pass" if verdict is not None and verdict.passed else "FAIL"
-
-
-def _start_torch_history():
-    """torch, when it is installed and has a GPU; the history must start before the body allocates."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    return torch
-
-
 class RankSide:
     """Inside a rank: run the test normally and write its outcome for the parent."""
 
@@ -446,7 +288,7 @@ class RankSide:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
         """With --gpumem-torch-snapshot: the CUDA allocator's history of this rank, dumped after the body."""
-        recording = _start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
+        recording = start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
         try:
             return (yield)
         finally:

@@ -42,6 +42,30 @@ def write_json_atomic(path: Path, data: object) -> None:
     os.replace(tmp, path)
 
 
+def declare_config(settings: dict) -> None:
+    """Inside a rank: record settings that move memory (the ``gpumem_config`` fixture); elsewhere a no-op."""
+    workdir = os.environ.get(WORKDIR_ENV)
+    if not workdir:
+        return
+    path = rank_file(Path(workdir), int(os.environ.get("RANK", "0")), "config")
+    current = json.loads(path.read_text()) if path.exists() else {}
+    current.update({str(k): v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+                    for k, v in settings.items()})
+    write_json_atomic(path, current)
+
+
+def start_torch_history():
+    """torch, when it is installed and has a GPU; the history must start before the body allocates."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return torch
+
+
 def framework_versions() -> dict[str, str]:
     """Versions of the frameworks this rank actually imported (they move memory the most)."""
     found: dict[str, str] = {}

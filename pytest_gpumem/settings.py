@@ -165,6 +165,19 @@ class Settings:
             device=self.device,
         )
 
+    def make_output_folders(self) -> None:
+        """Create where the outputs go, so that a bad path is known before any launch."""
+        for name in ("report", "markdown", "benchmark_json", "plots"):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            folder = path if name == "plots" else path.parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SettingsError(f"gpumem_{name} {str(path)!r}: cannot create {str(folder)!r} "
+                                    f"({exc.strerror or exc}); expected a writable path") from None
+
     @property
     def fail_on_missing_baseline(self) -> bool | None:
         """True: fail, False: warn, None: say nothing."""

@@ -1,0 +1,162 @@
+"""One test's run -> its outcome: limits and stored baselines judged, baselines refreshed, the
+failure explained. Plain Python: ``plugin.py`` only turns the outcome into pass, fail, skip and
+warnings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import boxing
+from .baseline import BaselineError, BaselineStore, Entry, host_provenance
+from .explain import config_provenance, provenance_diff, timeline_lines
+from .report import record
+from .runner import TestRun
+from .settings import Settings
+from .verdict import BaselineRef, Verdict, judge
+
+
+@dataclass
+class Outcome:
+    """What the user's session makes of one gpumem test."""
+
+    record: dict[str, Any]
+    skip_reason: str | None = None
+    failure: str | None = None  # the whole, self-contained message
+    warnings: list[str] = field(default_factory=list)
+
+
+class Gate:
+    def __init__(self, settings: Settings, store: BaselineStore) -> None:
+        self.settings = settings
+        self.store = store
+
+    def evaluate(self, test: TestRun) -> Outcome:
+        spec = test.spec
+        test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
+        problems = list(test.problems)
+        notes = [note for run in test.runs for note in run.notes]
+        warnings: list[str] = []
+        stored: dict[int, Entry] = {}
+        changes: dict[int, tuple[Entry | None, Entry]] = {}
+        verdict: Verdict | None = None
+        if test.skip_reason is None and not problems and not self.settings.refresh:
+            try:
+                stored = self._baselines(test, notes, problems, warnings)
+            except BaselineError as exc:
+                problems.append(f"baseline file unusable (left untouched): {exc}")
+        if test.skip_reason is None and not problems:
+            refs = {n: BaselineRef(e.gated_mib, spec.tolerance) for n, e in stored.items()}
+            verdict = judge(spec, test.results, refs, tuple(notes))
+            if self.settings.refresh:
+                try:
+                    changes = self._refresh(test)
+                except BaselineError as exc:
+                    problems.append(f"baseline not refreshed (file left untouched): {exc}")
+        changed = provenance_diff(next(iter(stored.values())).provenance, test.provenance) if stored else []
+        rec = record(test, verdict, _status(test, verdict, problems), {n: e.gated_mib for n, e in stored.items()})
+        rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
+                                   for n, (old, new) in sorted(changes.items())]
+        rec["changed_since_baseline"] = changed
+        if problems:
+            rec["messages"] = problems
+        outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
+        if test.skip_reason is not None:
+            return outcome
+        if problems:
+            outcome.failure = "\n".join(problems)
+        elif verdict is not None and not verdict.passed:
+            outcome.failure = explain_failure(test, verdict, changed, stored)
+        elif verdict is not None:
+            outcome.warnings.extend(verdict.notes)  # improvements, foreign GPU users
+        return outcome
+
+    def _baselines(self, test: TestRun, notes: list[str], problems: list[str],
+                   warnings: list[str]) -> dict[int, Entry]:
+        """Stored entries for this platform; missing ones warn, or fail in CI (configurable)."""
+        stored: dict[int, Entry] = {}
+        missing: list[int] = []
+        platform = ""
+        for result in test.results:
+            if result.world_size not in test.spec.nproc:
+                continue
+            platform = result.platform
+            entry = self.store.lookup(test.test_id, platform, result.world_size)
+            if entry is None:
+                missing.append(result.world_size)
+            else:
+                stored[result.world_size] = entry
+        if not missing:
+            return stored
+        elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
+        if elsewhere:
+            notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
+                         f"not compared on {platform}")
+        text = (f"no baseline stored for {test.test_id} on {platform} at nproc={', '.join(map(str, missing))} "
+                f"in {self.store.file_for(test.test_id)}: record it with "
+                f"`gpumem refresh {test.test_id}` and commit the file")
+        mode = self.settings.fail_on_missing_baseline
+        if mode:
+            problems.append(text + " (missing baselines fail when CI is set; gpumem_missing_baseline=warn to relax)")
+        elif mode is False:
+            warnings.append(text)
+        return stored
+
+    def _refresh(self, test: TestRun) -> dict[int, tuple[Entry | None, Entry]]:
+        spec = test.spec
+        # The ranks' own view (their env knobs, the frameworks they imported), not pytest's.
+        provenance = {**host_provenance(os.environ), **test.provenance}
+        entries: dict[int, Entry] = {}
+        platform = ""
+        for result in test.results:
+            label, gated = result.gated(spec.rank)
+            if result.world_size not in spec.nproc or gated is None:
+                continue
+            platform = result.platform
+            gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
+            entries[result.world_size] = Entry(
+                gated_mib=gated,
+                ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
+                rank=spec.rank,
+                device=result.device,
+                method=result.peaks[gated_rank].method,
+                provenance=provenance,
+            )
+        return self.store.update(test.test_id, platform, entries) if entries else {}
+
+
+def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry]) -> str:
+    """The verdict, what differs from the baseline's provenance, when each rank peaked, the new
+    nn.Graph boxing, and where the torch snapshots are."""
+    lines = [verdict.render()]
+    if changed:
+        lines.append("  changed since the baseline (declared config first):")
+        lines.extend(f"    {line}" for line in changed)
+    lines.append("  per-rank peaks over the run:")
+    lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
+    failing = {check.world_size for check in verdict.failures}
+    # The largest failing size with an audit: one rank alone has no conversions to show.
+    audited = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
+                    if r.launch.nproc in failing and r.boxings), None)
+    if audited is not None:
+        size = audited.launch.nproc
+        old = boxing.from_provenance(stored[size].provenance) if size in stored else None
+        against = "against the baseline" if old is not None else "(no audited baseline to compare)"
+        lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:")
+        lines.extend(f"    {line}" for line in boxing.explain(old or {}, audited.boxings))
+    snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
+                 if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
+    if snapshots:
+        lines.append("  torch memory snapshots (pytorch.org/memory_viz):")
+        lines.extend(snapshots)
+    return "\n".join(lines)
+
+
+def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
+    if test.skip_reason is not None:
+        return "skip"
+    if problems:
+        return "ERROR"
+    return "pass" if verdict is not None and verdict.passed else "FAIL"
