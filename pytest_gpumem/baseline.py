@@ -25,7 +25,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from filelock import FileLock, Timeout
 
 SCHEMA_VERSION = 1
 MAX_MIB = 2.0**40
@@ -352,6 +351,8 @@ class BaselineStore:
             _check_entry(file, where, new[str(ws)], ws, device)  # never write what we could not read back
         if not new:
             return {}
+        from filelock import FileLock, Timeout  # here: ranks import this module for host_provenance
+
         lock = FileLock(str(self.directory / LOCK_NAME), timeout=LOCK_TIMEOUT_S, mode=0o600)
         try:
             file.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .baseline import host_provenance
 from .boxing import install_graph_hook, rank_provenance
+from .rendezvous import install_oneflow_gate
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
@@ -160,6 +161,7 @@ def main(argv: list[str]) -> None:
     _redirect_output(rank_file(workdir, rank, "log"))
     stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    install_oneflow_gate()  # costs nothing until oneflow is imported
     if os.environ.get(BOXING_ENV, "1") != "0":  # costs nothing until oneflow is imported
         install_graph_hook(rank_file(workdir, rank, "boxing"))
     write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
