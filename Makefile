@@ -43,6 +43,12 @@ demo-oneflow: $(OF)/.ready
 demo-torch: $(TO)/.ready
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_torch_ddp.py examples/test_script_mode.py
 
+# CPU benchmarks, side by side with the raw tools: prints a table, writes benchmarks/results/cpu_bench.txt.
+# (The GPU half runs on a GPU machine: benchmarks/gpu_evidence.py, results in docs/gpu.md.)
+bench: venvs
+	$(OF)/bin/python benchmarks/bench.py
+	$(TO)/bin/python benchmarks/bench.py
+
 # Rewrite the examples' stored baselines (review the diff, then commit baselines/).
 baselines: venvs
 	$(MAKE) demo PYTEST_FLAGS="$(PYTEST_FLAGS) --gpumem-refresh"

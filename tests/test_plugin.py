@@ -195,3 +195,19 @@ def test_flat():
         "*rank 0 peak, nproc 1: * MiB | 2: * MiB (*x) | 4: * MiB (*x) FAIL | 8: * MiB (*x) FAIL*",
         "*nproc=8 cpu MiB per rank {0: *, 1: *, 2: *, 3: *, 4: *, 5: *, 6: *, 7: *}*",
     ])
+
+
+def test_fast_rank_exit_still_runs_the_frameworks_exit_handlers(pytester, launch_tag, tmp_path):
+    """Ranks skip the interpreter's teardown, not atexit: frameworks shut down there (OneFlow's env)."""
+    pytester.makepyfile(f'''
+import atexit
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_registers_a_shutdown():
+    path = os.path.join({str(tmp_path)!r}, "shutdown-" + os.environ["RANK"])
+    atexit.register(lambda: open(path, "w").close())
+''')
+    pytester.runpytest("--gpumem", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shutdown-0", "shutdown-1"]
