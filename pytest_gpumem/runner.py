@@ -277,8 +277,12 @@ class Runner:
                 text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
             problems.append(text)
         for rank, outcome in sorted(run.outcomes.items()):
-            if outcome.outcome == "failed":
+            if outcome.outcome == "failed" and spec.body_mode:  # the text is the rank's traceback
                 problems.append(f"rank {rank} of {n} failed:\n{outcome.text.rstrip()}")
+            elif outcome.outcome == "failed":  # a program in script mode: its output says why
+                tail = launch.rank_log(workdir, rank)
+                problems.append(f"rank {rank} of {n} failed ({outcome.text})"
+                                + (f"; last lines of its output:\n{tail}" if tail else ""))
             elif outcome.outcome == "missing" and not launch.timed_out:
                 tail = launch.rank_log(workdir, rank)
                 problems.append(

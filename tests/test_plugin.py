@@ -211,3 +211,21 @@ def test_registers_a_shutdown():
 ''')
     pytester.runpytest("--gpumem", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shutdown-0", "shutdown-1"]
+
+
+def test_failing_program_in_script_mode_shows_its_output(pytester, launch_tag):
+    pytester.makepyfile(train='''
+import os
+raise SystemExit("config file not found: configs/gpt2.py (rank " + os.environ["RANK"] + ")")
+''')
+    pytester.makepyfile(test_script='''
+import pytest
+
+@pytest.mark.gpumem(nproc=2, script="train.py")
+def test_train():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 0 of 2 failed (exit code 1); last lines of its output:*",
+                                 "*config file not found: configs/gpt2.py (rank 0)*"])
