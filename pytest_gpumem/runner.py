@@ -94,7 +94,6 @@ class Runner:
         self.host_interval_s = host_interval_s
         self.keep_workdirs = keep_workdirs
         self.snapshot_dir = snapshot_dir
-        self.launches = 0
         self._references: dict[tuple, SizeRun] = {}
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
@@ -176,7 +175,6 @@ class Runner:
         for sampler in samplers:
             sampler.start()
         try:
-            self.launches += 1
             launch = Launch(request, on_rank).run()
         finally:
             for sampler in samplers:

@@ -112,10 +112,6 @@ class Spec:
         return tuple(sorted(sizes))
 
     @property
-    def reference_added(self) -> bool:
-        return 1 in self.sizes and 1 not in self.nproc
-
-    @property
     def body_mode(self) -> bool:
         return self.script is None and self.module is None
 

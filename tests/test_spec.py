@@ -16,12 +16,12 @@ def spec(*args, **kwargs):
 def test_defaults_and_positional_nproc():
     s = spec(4)
     assert s.nproc == (4,) and s.rank == 0 and s.launcher == "direct" and s.max_ratio is None
-    assert s.sizes == (4,) and not s.reference_added
+    assert s.sizes == (4,)
 
 
 def test_ratio_adds_the_reference_size():
     s = spec(nproc=[8, 2], max_ratio=1.2)
-    assert s.nproc == (2, 8) and s.sizes == (1, 2, 8) and s.reference_added
+    assert s.nproc == (2, 8) and s.sizes == (1, 2, 8)
 
 
 def test_ini_ratio_default_and_none_turns_it_off():
