@@ -11,7 +11,7 @@ both venvs fills one file.
    at 1, 2 and 4 ranks, through the plugin (each launcher) and, with no pytest at all, spawned by a
    minimal script (env contract set by hand) and run by the raw launcher. Medians over --runs,
    in a shuffled order so noise hits every configuration alike; runs over 5 s are counted as stalls.
-   OneFlow also gets "direct spawn + rendezvous gate": the proposed fix for its 10 s rendezvous retry
+   OneFlow also gets "direct spawn + rendezvous gate": the plugin's fix for its 10 s rendezvous retry
    (ranks > 0 wait for rank 0's port before OneFlow's env init).
    The plugin has two figures: the whole `pytest --gpumem` command (pytest's own start-up is paid
    once per session) and the per-launch time the plugin measured itself (report `duration_s`).
@@ -66,49 +66,11 @@ TRACE_HEAD = ('import os as _os\n_trace = _os.environ.get("BENCH_TRACE")\n'
               'if _trace:\n    import benchtrace\n    benchtrace.mark("body_start")\n')
 TRACE_TAIL = 'if _trace:\n    benchtrace.mark("body_end")\n'
 
-GATE = '''"""The proposed OneFlow stall fix, as a wrapper: ranks > 0 wait for rank 0's port before OneFlow's env init.
+GATE = '''"""A minimal spawn with the plugin's OneFlow rendezvous gate (pytest_gpumem.rendezvous), nothing else."""
+import runpy, sys
+from pytest_gpumem.rendezvous import install_oneflow_gate
 
-OneFlow's RpcClient::LoadServer sleeps 10 s after a refused connection (sleep_seconds = 10), so a rank
-that reaches rank 0 before rank 0 listens loses 10 s. Nothing else changes: imports still overlap.
-"""
-import importlib.abc, importlib.machinery, os, runpy, sys, time
-
-def _listening(port):
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            for line in open(table).read().splitlines()[1:]:
-                f = line.split()
-                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    return True
-        except OSError:
-            pass
-    return False
-
-def _wait_for_master(limit_s=60.0):
-    port = int(os.environ["MASTER_PORT"]); end = time.monotonic() + limit_s
-    while not _listening(port) and time.monotonic() < end:
-        time.sleep(0.01)
-
-class _Gate(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "oneflow.framework.env_util":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        def exec_and_wrap(module):
-            exec_module(module)
-            get_env = module.GetEnv
-            def GetEnv():
-                _wait_for_master()
-                return get_env()
-            module.GetEnv = GetEnv
-        spec.loader.exec_module = exec_and_wrap
-        return spec
-
-if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1 :
-    sys.meta_path.insert(0, _Gate())
+install_oneflow_gate()
 script = sys.argv[1]; sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 '''
@@ -250,7 +212,7 @@ def spawn_direct(script: Path, nproc: int, *, cwd: Path, env: dict[str, str], ti
                  gate: bool = False, trace: bool = False) -> tuple[float, int, str]:
     """The minimal direct launcher: N interpreters with MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK.
 
-    ``gate`` runs each rank through rdzv_gate.py (the proposed fix for OneFlow's 10 s rendezvous retry,
+    ``gate`` runs each rank through rdzv_gate.py (the plugin's fix for OneFlow's 10 s rendezvous retry,
     measured as its own row).
     """
     port = free_port()
