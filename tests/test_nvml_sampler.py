@@ -320,17 +320,23 @@ class SteppingClock:
         return self.waits >= 60  # "stop" after 60 waits
 
 
-def test_schedule_does_not_drift():
-    interval = 0.002
-    clock = SteppingClock(interval, stall_at_read=20)
-    gpu = FakeGpu(uuid(1), [Snap(i, {100: i}) for i in range(100)])  # values change every tick
-    fake = FakeNvml([gpu])
+def run_on_clock(fake: FakeNvml, clock: SteppingClock, interval: float) -> NvmlSampler:
+    """Sample pid 100 as rank 0 on the fake clock until it says stop."""
     sampler = NvmlSampler(visible_gpus(env={}, nvml=fake), interval_s=interval, nvml=fake, clock=clock)
     sampler.add_process(0, 100)
     sampler._wait = clock.wait
     sampler.start()
     sampler._thread.join(5)
     sampler.stop()
+    return sampler
+
+
+def test_schedule_does_not_drift():
+    interval = 0.002
+    clock = SteppingClock(interval, stall_at_read=20)
+    gpu = FakeGpu(uuid(1), [Snap(i, {100: i}) for i in range(100)])  # values change every tick
+    fake = FakeNvml([gpu])
+    sampler = run_on_clock(fake, clock, interval)
     times = [t for t, _ in sampler.timeline()][1:-1]  # drop the first tick and stop()'s extra one
     slots = [t / interval for t in times]
     assert all(abs(s - round(s)) < 1e-6 for s in slots), "ticks left the start + k*interval grid"
@@ -371,12 +377,7 @@ def test_steady_gpu_does_not_pay_for_a_process_list_every_tick():
     clock = SteppingClock(interval, stall_at_read=10**9)
     gpu = FakeGpu(uuid(1), [Snap(600, {100: 600})] * 100)  # a steady job: nothing moves
     fake = FakeNvml([gpu])
-    sampler = NvmlSampler(visible_gpus(env={}, nvml=fake), interval_s=interval, nvml=fake, clock=clock)
-    sampler.add_process(0, 100)
-    sampler._wait = clock.wait
-    sampler.start()
-    sampler._thread.join(5)
-    sampler.stop()
+    sampler = run_on_clock(fake, clock, interval)
     lists = [c for c in fake.calls if "RunningProcesses" in c and "MPS" not in c]
     assert 2 <= len(lists) <= 4, lists  # 60 ticks over ~120 ms of clock
     assert sampler.peaks()[0] == Peak(600.0, "per-pid sampled")
