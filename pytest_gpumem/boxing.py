@@ -409,27 +409,100 @@ def summarize_records(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return summarize(b for r in records for b in r.get("boxings", []))
 
 
-def explain(old: Mapping[str, int], boxings: Iterable[Boxing | Mapping[str, Any]], limit: int = 3) -> list[str]:
-    """``diff(old, summarize(boxings))``, each new or grown kind followed by up to ``limit`` of its
-    conversions (tensor with shape and dtype, consuming op) -- what to print under a failure::
+TINY_BYTES = 64 * 1024  # placement-only moves below this (LR scalars, step counters) are folded
 
-        new: S(0)->B x2 (was 0)
-          _TrainGraph_1_input.0.0_2/out (2048, 16384) float32 into hierarchical_parallel_cast-0 (...)
-          ...
+# Bytes per element of the dtypes OneFlow prints ("float32", "int64", ...).
+_DTYPE_BYTES = {
+    "bool": 1, "int8": 1, "uint8": 1, "char": 1, "float16": 2, "half": 2, "bfloat16": 2, "int16": 2,
+    "float32": 4, "float": 4, "int32": 4, "int": 4, "uint32": 4, "float64": 8, "double": 8,
+    "int64": 8, "long": 8, "uint64": 8, "complex64": 8, "complex128": 16,
+}
+_SHAPE_DTYPE = re.compile(r"\(([\d,\s]*)\)\s+(\w+)\s*$")
+
+
+def tensor_bytes(tensor: str) -> int | None:
+    """Logical bytes of ``"name (2048, 16384) float32"``; None when shape or dtype is unknown."""
+    m = _SHAPE_DTYPE.search(tensor)
+    if not m or m.group(2) not in _DTYPE_BYTES:
+        return None
+    count = 1
+    for dim in (d.strip() for d in m.group(1).split(",")):
+        if dim:
+            count *= int(dim)
+    return count * _DTYPE_BYTES[m.group(2)]
+
+
+def format_bytes(count: int | None) -> str:
+    if count is None:
+        return "size n/a"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def _as_boxing(b: Boxing | Mapping[str, Any]) -> Boxing:
+    if isinstance(b, Boxing):
+        return b
+    return Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor")}, placement=b.get("placement", ""))
+
+
+def _tiny_move(b: Boxing) -> bool:
+    """A placement change of a tiny tensor with no SBP change: an LR scalar going to every rank."""
+    size = tensor_bytes(b.tensor)
+    return bool(b.placement) and b.src == b.dst and size is not None and size < TINY_BYTES
+
+
+def _biggest_first(items: list[Boxing]) -> list[Boxing]:
+    return sorted(items, key=lambda b: -(tensor_bytes(b.tensor) or -1))
+
+
+def explain(old: Mapping[str, int], boxings: Iterable[Boxing | Mapping[str, Any]], limit: int = 3) -> list[str]:
+    """``diff(old, summarize(boxings))`` with the biggest "why" first, what to print under a failure::
+
+        new: S(0)->B x2 (was 0); 128.0 MiB moved
+          128.0 MiB  _TrainGraph_1_input.0.0_2/out (2048, 16384) float32 into hierarchical_parallel_cast-0 (...)
+          16.0 KiB  _TrainGraph_1_input.0.1_3/out (2048,) int64 into hierarchical_parallel_cast-1 (...)
         gone: P->B (was x6)
+        also 1 placement-only move of tiny tensors (< 64 KiB): B->B [cpu:0 -> cpu:0-1] x1 (was 0)
+
+    New kinds, then grown kinds, each group ordered by the bytes its conversions move (shape x
+    dtype of the logical tensor), each kind followed by up to ``limit`` of its conversions, largest
+    first; then the kinds that shrank or went. New or grown kinds made only of placement moves of
+    tiny tensors are folded into one line at the end.
     """
-    found = [b if isinstance(b, Boxing) else Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor")},
-                                                     placement=b.get("placement", "")) for b in boxings]
-    new = summarize(found)
-    lines = []
-    for line in diff(old, new):
-        lines.append(line)
+    found = [_as_boxing(b) for b in boxings]
+    by_kind: dict[str, list[Boxing]] = {}
+    for b in found:
+        by_kind.setdefault(b.kind, []).append(b)
+    groups: dict[str, list[tuple[int, list[str]]]] = {"new": [], "more": [], "rest": []}
+    folded: list[str] = []
+    folded_count = 0
+    for line in diff(old, summarize(found)):
         kind = line.split(": ", 1)[1].rsplit(" x", 1)[0]
-        if line.startswith(("new:", "more:")):
-            same = [b for b in found if b.kind == kind]
-            lines.extend(f"  {b.tensor} into {b.op}" for b in same[:limit])
-            if len(same) > limit:
-                lines.append(f"  ... and {len(same) - limit} more")
+        if not line.startswith(("new:", "more:")):
+            groups["rest"].append((0, [line]))
+            continue
+        same = _biggest_first(by_kind.get(kind, []))
+        if same and all(_tiny_move(b) for b in same):
+            folded.append(line.split(": ", 1)[1])
+            folded_count += len(same) - int(old.get(kind, 0))
+            continue
+        sizes = [tensor_bytes(b.tensor) for b in same]
+        total = sum(s for s in sizes if s is not None)
+        head = line + (f"; {format_bytes(total)} moved" if any(s is not None for s in sizes) else "")
+        block = [head] + [f"  {format_bytes(tensor_bytes(b.tensor))}  {b.tensor} into {b.op}" for b in same[:limit]]
+        if len(same) > limit:
+            block.append(f"  ... and {len(same) - limit} more")
+        groups["new" if line.startswith("new:") else "more"].append((total, block))
+    lines = []
+    for name in ("new", "more", "rest"):
+        for _, block in sorted(groups[name], key=lambda item: -item[0]):  # stable: diff's order on ties
+            lines.extend(block)
+    if folded:
+        moves = "move" if folded_count == 1 else "moves"
+        lines.append(f"also {folded_count} placement-only {moves} of tiny tensors (< {format_bytes(TINY_BYTES)}): "
+                     + ", ".join(folded))
     return lines
 
 

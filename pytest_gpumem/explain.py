@@ -64,7 +64,7 @@ def timeline_lines(results: Iterable[SizeResult]) -> list[str]:
     """Per world size: each rank's peak and when it happened, and the imbalance between ranks."""
     lines = []
     for result in results:
-        if result.reused:
+        if result.reused or result.predicted:  # a predicted size never ran: no timeline
             continue
         times = peak_times(result)
         cells = []

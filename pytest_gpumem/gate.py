@@ -13,7 +13,7 @@ from . import boxing
 from .baseline import BaselineError, BaselineStore, Entry, host_provenance
 from .explain import config_provenance, provenance_diff, timeline_lines
 from .report import record
-from .runner import TestRun
+from .runner import SizeRun, TestRun
 from .settings import Settings
 from .verdict import BaselineRef, Verdict, judge
 
@@ -80,7 +80,7 @@ class Gate:
         missing: list[int] = []
         platform = ""
         for result in test.results:
-            if result.world_size not in test.spec.nproc:
+            if result.world_size not in test.spec.nproc or result.predicted:
                 continue
             platform = result.platform
             entry = self.store.lookup(test.test_id, platform, result.world_size)
@@ -112,8 +112,8 @@ class Gate:
         platform = ""
         for result in test.results:
             label, gated = result.gated(spec.rank)
-            if result.world_size not in spec.nproc or gated is None:
-                continue
+            if result.world_size not in spec.nproc or gated is None or result.predicted:
+                continue  # a predicted figure is never stored as a measurement
             platform = result.platform
             gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
             entries[result.world_size] = Entry(
@@ -137,21 +137,35 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
     failing = {check.world_size for check in verdict.failures}
-    # The largest failing size with an audit: one rank alone has no conversions to show.
-    audited = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
-                    if r.launch.nproc in failing and r.boxings), None)
+    # The largest failing size with an audit: one rank alone has no conversions to show. A size
+    # that fails only as predicted was never launched: the largest launched one shows the trend.
+    by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
+    audited = next((r for r in by_size if r.launch.nproc in failing and r.boxings), None)
+    if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
+        audited = next((r for r in by_size if r.boxings), None)
     if audited is not None:
         size = audited.launch.nproc
-        old = boxing.from_provenance(stored[size].provenance) if size in stored else None
-        against = "against the baseline" if old is not None else "(no audited baseline to compare)"
+        old, against = _boxing_reference(audited, test.runs, stored.get(size))
         lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:")
-        lines.extend(f"    {line}" for line in boxing.explain(old or {}, audited.boxings))
+        lines.extend(f"    {line}" for line in boxing.explain(old, audited.boxings))
     snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
                  if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
     if snapshots:
         lines.append("  torch memory snapshots (pytorch.org/memory_viz):")
         lines.extend(snapshots)
     return "\n".join(lines)
+
+
+def _boxing_reference(audited: SizeRun, runs: list[SizeRun], entry: Entry | None) -> tuple[dict[str, int], str]:
+    """The baseline's audit when it has one, else the smallest launched size's (one rank: none)."""
+    old = boxing.from_provenance(entry.provenance) if entry is not None else None
+    if old is not None:
+        return old, "against the baseline"
+    smaller = [r for r in runs if r.launch.nproc < audited.launch.nproc]
+    if not smaller:
+        return {}, "(no audited baseline to compare)"
+    smallest = min(smaller, key=lambda r: r.launch.nproc)
+    return boxing.summarize(smallest.boxings), f"against nproc={smallest.launch.nproc} (no audited baseline)"
 
 
 def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:

@@ -117,7 +117,8 @@ def _md_rows(record: Record) -> list[str]:
         verdict = size_verdict(record, size)
         peak = _mib(size.get("gated_mib"))
         if size.get("gated_mib") is not None:
-            peak += f" ({size.get('gated_rank', '?')}, {size.get('device', '?')})"
+            predicted = ", **predicted**" if size.get("predicted") else ""
+            peak += f" ({size.get('gated_rank', '?')}, {size.get('device', '?')}{predicted})"
         ratio = "-" if size.get("ratio") is None else f"{size['ratio']:.2f}x"
         nproc = f"{size['nproc']}" + ("\\*" if size.get("reused") else "")
         change = format_delta(delta(size.get("gated_mib"), size.get("baseline_mib")))
@@ -174,6 +175,9 @@ def markdown(records: Iterable[Record], *, max_chars: int = COMMENT_LIMIT) -> st
         legend.append("\\* nproc=1 reference reused from an earlier launch with the same parameters")
     legend.append("delta: gated peak minus the stored baseline of this platform; "
                   "ratio: gated peak over the nproc=1 peak")
+    legend.extend(f"predicted (not launched): nproc={size['nproc']} of `{rec['test']}`, "
+                  f"{size['predicted'].get('basis', '')}"
+                  for rec in records for size in rec.get("sizes", []) if size.get("predicted"))
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec)]
     budget = max_chars - sum(len(line) + 1 for line in head + _TABLE_HEAD + tail) - 80
@@ -208,8 +212,8 @@ def benchmark_json(records: Iterable[Record]) -> list[dict[str, Any]]:
         if rec["status"] in ("ERROR", "skip"):
             continue
         for size in rec.get("sizes", []):
-            if not _is_number(size.get("gated_mib")):
-                continue
+            if not _is_number(size.get("gated_mib")) or size.get("predicted"):
+                continue  # a chart of measurements: a predicted figure is not one
             extra = [size.get("device", "?"), gated_method(size) or "method unknown", size.get("gated_rank", "")]
             if size.get("ratio") is not None:
                 extra.append(f"ratio {size['ratio']:.2f}x to nproc=1")
@@ -250,6 +254,8 @@ def junit_properties(record: Record) -> list[tuple[str, str]]:
                 props.append((f"{key}_delta_pct", f"{change[1]:+.2f}"))
         if size.get("ratio") is not None:
             props.append((f"{key}_ratio", f"{size['ratio']:.3f}"))
+        if size.get("predicted"):
+            props.append((f"{key}_predicted", str(size["predicted"].get("basis", "predicted"))))
     return props
 
 

@@ -91,6 +91,12 @@ def _limits(record: Record, size: Mapping[str, Any]) -> list[tuple[float, str, d
 
 
 def _size_title(record: Record, size: Mapping[str, Any]) -> str:
+    if size.get("predicted"):
+        verdict = "FAIL" if size.get("failed") else "ok"
+        ratio = "" if size.get("ratio") is None else f", {size['ratio']:.2f}x nproc=1"
+        return (f"nproc={size.get('nproc')} ({size.get('device', '?')} memory): PREDICTED, not launched: "
+                f"{size.get('gated_rank', '?')} {size.get('gated_mib', 0):.1f} MiB{ratio} — {verdict}\n"
+                f"{size['predicted'].get('basis', '')}")
     gated = size.get("gated_mib")
     peak = "no peak measured" if gated is None else f"{size.get('gated_rank', '?')} peak {gated:.1f} MiB"
     ratio = "" if size.get("ratio") is None else f", {size['ratio']:.2f}x nproc=1"
@@ -105,7 +111,35 @@ def _rank_color(index: int, count: int) -> tuple[float, float, float, float]:
     return colormaps["viridis"](0.85 * index / max(1, count - 1) if count > 1 else 0.25)
 
 
+def _draw_predicted(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
+    """Not a timeline (nothing ran): the measured peaks per world size, the fitted model through
+    them, and the predicted point, against the limits."""
+    from .predict import MODELS
+
+    fit = size["predicted"]
+    points = sorted((int(n), float(v)) for n, v in (fit.get("fitted_on") or {}).items())
+    target = int(size["nproc"])
+    model = {m.name: m for m in MODELS}.get(fit.get("model"))
+    if model is not None and points:
+        xs = [points[0][0] + (target - points[0][0]) * i / 100 for i in range(101)]
+        ys = [sum(c * term(x) for c, term in zip(fit.get("coefficients", []), model.terms)) for x in xs]
+        ax.plot(xs, ys, color="tab:blue", linestyle="--", linewidth=1.0, label=f"fit: {fit.get('formula')}")
+    ax.plot([n for n, _ in points], [v for _, v in points], "o", color="tab:blue", label="measured")
+    ax.plot([target], [size["gated_mib"]], "D", color="tab:purple", markersize=8,
+            label=f"predicted {size['gated_mib']:.0f}")
+    for mib, label, style in _limits(record, size):
+        ax.axhline(mib, label=label, **style)
+    ax.set_title(_size_title(record, size), fontsize=9, loc="left")
+    ax.set_xlabel("nproc")
+    ax.set_ylabel("MiB")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+
+
 def _draw_size(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
+    if size.get("predicted"):
+        _draw_predicted(ax, record, size)
+        return
     series = _series(size)
     gated = re.match(r"rank (\d+)", str(size.get("gated_rank", "")))
     for i, (rank, (xs, ys)) in enumerate(series.items()):
@@ -139,7 +173,8 @@ def plot(record: Record, path: Path) -> None:
         _draw_size(ax, record, size)
     if not sizes:
         axes[0].text(0.5, 0.5, "no launch measured", transform=axes[0].transAxes, ha="center", va="center")
-    axes[-1].set_xlabel("seconds since launch")
+    if not (sizes and sizes[-1].get("predicted")):  # a predicted panel's x axis is nproc
+        axes[-1].set_xlabel("seconds since launch")
     title = "\n".join(textwrap.wrap(str(record.get("test", "?")), 110))
     fig.suptitle(f"{title}\nverdict: {record.get('status', '?')}", fontsize=10)
     fig.tight_layout()

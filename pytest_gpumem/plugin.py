@@ -42,7 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpumem-refresh", action="store_true", default=False,
                     help="rewrite the stored baselines of the gpumem tests that run")
     for opt in settings_mod.OPTIONS:
-        group.addoption(opt.flag, dest=f"gpumem_{opt.name}", default=None, help=opt.help)
+        flag_only = {"action": "store_const", "const": opt.const} if opt.const is not None else {}
+        group.addoption(opt.flag, dest=f"gpumem_{opt.name}", default=None, help=opt.help, **flag_only)
         parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default})", default=None)
 
 
@@ -149,6 +150,8 @@ class ParentSide:
         from .gpus import GpuPlanner
         from .leases import default_lease_dir
         from .runner import Runner
+        from .sampling.nvml import visible_gpus
+        from .scaling import Capacity
 
         self.config = config
         self.settings = resolved
@@ -165,6 +168,7 @@ class ParentSide:
             host_interval_s=interval,
             snapshot_dir=resolved.torch_snapshot,
         )
+        self.capacity = Capacity(resolved.max_nproc, resolved.predict, lambda: len(visible_gpus()))
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session, config, items: list[pytest.Item]) -> None:
@@ -195,9 +199,9 @@ class ParentSide:
         return [*args, target]
 
     def run_item(self, item: GpumemItem) -> None:
-        from . import outputs
+        from . import outputs, scaling
 
-        outcome = self.gate.evaluate(self.runner.run(item.nodeid, item.spec))
+        outcome = self.gate.evaluate(scaling.run(self.runner, item.nodeid, item.spec, self.capacity))
         item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record)))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:

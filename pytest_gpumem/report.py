@@ -33,6 +33,8 @@ def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mappi
             "timeline": [[round(t, 4), {str(r): round(v, 2) for r, v in point.items()}]
                          for t, point in result.timeline],
             "failed": bool(verdict and any(c.world_size == result.world_size for c in verdict.failures)),
+            # Not launched: fitted from the launched sizes (model, its LOO error, the points).
+            "predicted": result.prediction.as_dict() if result.prediction is not None else None,
         })
     return {
         "test": test.test_id,
@@ -65,10 +67,11 @@ def table(records: Iterable[Mapping[str, Any]]) -> list[str]:
             if rec["status"] in ("FAIL", "XFAIL") and not size["failed"]:
                 verdict = "ok"
             nproc = str(size["nproc"]) + ("*" if size["reused"] else "")
+            predicted = ", predicted" if size.get("predicted") else ""
             rows.append((
                 rec["test"],
                 nproc,
-                f"{_mib(size['gated_mib'])} ({size['gated_rank']})",
+                f"{_mib(size['gated_mib'])} ({size['gated_rank']}{predicted})",
                 _mib(size["others_max_mib"]),
                 "-" if size["ratio"] is None else f"{size['ratio']:.2f}x",
                 _mib(size["baseline_mib"]),
@@ -81,7 +84,19 @@ def table(records: Iterable[Mapping[str, Any]]) -> list[str]:
     out.extend(line(row) for row in rows)
     if any(size["reused"] for rec in records for size in rec["sizes"]):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
+    out.extend(predicted_lines(records))
     return out
+
+
+def predicted_lines(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``nproc=8 of test: predicted by a + b*N from nproc 1,2,4; LOO error 1.2%, not launched``."""
+    lines = []
+    for rec in records:
+        for size in rec["sizes"]:
+            fit = size.get("predicted")
+            if fit:
+                lines.append(f"nproc={size['nproc']} of {rec['test']}: {fit.get('basis', 'predicted')}, not launched")
+    return lines
 
 
 def refresh_lines(records: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -62,6 +62,7 @@ class TestRun:
     runs: list[SizeRun] = field(default_factory=list)
     skip_reason: str | None = None
     provenance: dict[str, str] = field(default_factory=dict)  # rank 0's view, newest launch
+    predicted: list[SizeResult] = field(default_factory=list)  # sizes above the launch cap (scaling.py)
 
     @property
     def problems(self) -> list[str]:
@@ -69,7 +70,8 @@ class TestRun:
 
     @property
     def results(self) -> list[SizeResult]:
-        return [run.result for run in self.runs]
+        """Launched sizes, then the predicted ones (``result.predicted``)."""
+        return [run.result for run in self.runs] + self.predicted
 
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]

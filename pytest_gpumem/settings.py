@@ -56,6 +56,15 @@ def _tolerance(text: str) -> Tolerance:
         raise ValueError(str(exc)) from exc
 
 
+def _max_nproc(text: str) -> int | None:
+    if text.strip().lower() in ("", "0", "none", "gpus"):
+        return None  # the GPUs present decide
+    value = int(text)
+    if value < 1:
+        raise ValueError("not an int >= 1")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -77,6 +86,7 @@ class Option:
     default: str
     accepted: str
     help: str
+    const: str | None = None  # a flag that takes no value on the command line and means this value
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -126,6 +136,13 @@ OPTIONS: tuple[Option, ...] = (
            str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
            str, "", "a file path", "write a JSON report of every gpumem test to this file"),
+    Option("max_nproc", "--gpumem-max-nproc", "GPUMEM_MAX_NPROC", "gpumem_max_nproc",
+           _max_nproc, "gpus", "an int >= 1, or gpus (the GPUs present)",
+           "largest world size launched; larger nproc sizes are predicted from the launched ones "
+           "(default: the GPUs present where the ranks use GPUs, no cap on host memory)"),
+    Option("predict", "--gpumem-no-predict", "GPUMEM_PREDICT", "gpumem_predict",
+           _bool, "1", "1 or 0 (true/false, on/off)",
+           "skip, instead of predict, nproc sizes above the launch cap", const="0"),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -154,6 +171,8 @@ class Settings:
     plots: Path | None
     benchmark_json: Path | None
     report: Path | None
+    max_nproc: int | None = None
+    predict: bool = True
 
     def defaults(self) -> Defaults:
         return Defaults(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .predict import Prediction
 from .sampling import Peak
 from .spec import Spec, Tolerance
 
@@ -25,9 +26,21 @@ class SizeResult:
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     duration_s: float = 0.0
     reused: bool = False
+    prediction: Prediction | None = None  # set: a size above the launch cap, never launched
+
+    @property
+    def predicted(self) -> bool:
+        return self.prediction is not None
+
+    @property
+    def basis(self) -> str:
+        """What the figure stands on, next to the device: empty for a measurement."""
+        return "" if self.prediction is None else self.prediction.describe()
 
     def gated(self, rank: int | str) -> tuple[str, float | None]:
         """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
+        if self.prediction is not None:
+            return self.prediction.rank_label, self.prediction.mib
         if rank == "all":
             known = [(p.mib, r) for r, p in self.peaks.items() if p.mib is not None]
             if not known:
@@ -64,9 +77,10 @@ class Check:
     limit_mib: float | None
     ok: bool
     detail: str
+    basis: str = ""  # "predicted by a + b*N from nproc 1,2,4; LOO error 1.2%" for a predicted size
 
     def __str__(self) -> str:
-        where = f"{self.rank_label} at nproc={self.world_size} ({self.device})"
+        where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{', ' + self.basis if self.basis else ''})"
         if self.measured_mib is None:
             return f"{where}: {self.detail}"
         relation = "<=" if self.ok else ">"
@@ -107,6 +121,8 @@ class Verdict:
             ratio = self.ratio(result.world_size)
             if ratio is not None:
                 text += f" ({ratio:.2f}x)"
+            if result.predicted:
+                text += " predicted"
             if any(c.world_size == result.world_size for c in self.failures):
                 text += " FAIL"
             parts.append(text)
@@ -122,6 +138,10 @@ class Verdict:
             lines.extend(f"  {check}" for check in failures)
         lines.append("  " + self.summary_line())
         for result in self.results:
+            if result.prediction is not None:
+                lines.append(f"  nproc={result.world_size} {result.device} MiB {result.prediction.rank_label} "
+                             f"{result.prediction.mib:.1f}, {result.basis} (not launched)")
+                continue
             ranks = ", ".join(
                 f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}" for r, p in sorted(result.peaks.items())
             )
@@ -150,7 +170,7 @@ def judge(
         label, mib = result.gated(spec.rank)
 
         def check(kind: str, limit: float | None, ok: bool, detail: str) -> None:
-            checks.append(Check(kind, n, label, result.device, mib, limit, ok, detail))
+            checks.append(Check(kind, n, label, result.device, mib, limit, ok, detail, result.basis))
 
         if mib is None:
             check("measured", None, False, f"no peak could be measured ({result.methods})")
@@ -166,7 +186,7 @@ def judge(
                 f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
                 f" = {limit:.1f} MiB (ratio {mib / reference:.2f}x)",
             )
-        base = (baselines or {}).get(n)
+        base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
             allowance = base.tolerance.allowance(base.mib)
             limit = base.mib + allowance

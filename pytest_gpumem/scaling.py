@@ -1,0 +1,100 @@
+"""World sizes above what can be launched here: launch the ones that fit, predict the others.
+
+The cap is ``gpumem_max_nproc`` when set (so it can be exercised on CPU), else the GPUs present
+when the ranks would use GPUs, else none (host memory: every size launches, as before). A size
+above the cap is predicted from the launched sizes (:mod:`pytest_gpumem.predict`) when at least
+two distinct sizes fit under the cap; otherwise, or with ``--gpumem-no-predict``, the test is
+skipped as before, with the reason. Used by the plugin and by ``gpumem measure`` alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from .predict import PredictError, predict
+from .runner import Runner, TestRun
+from .spec import Spec
+from .verdict import SizeResult
+
+
+@dataclass
+class Capacity:
+    """How many ranks one launch may have, and whether larger sizes are predicted."""
+
+    max_nproc: int | None = None  # gpumem_max_nproc; None: the GPUs present decide
+    predict: bool = True
+    gpu_count: Callable[[], int] = lambda: 0  # called only when max_nproc is None and GPUs matter
+    _gpus: list[int] = field(default_factory=list, repr=False)
+
+    def cap(self, spec: Spec) -> tuple[int | None, str]:
+        """(largest launchable size or None for no cap, where that number comes from)."""
+        if self.max_nproc is not None:
+            return self.max_nproc, f"gpumem_max_nproc={self.max_nproc}"
+        if spec.device == "cpu":
+            return None, ""
+        if not self._gpus:
+            self._gpus.append(int(self.gpu_count()))
+        gpus = self._gpus[0]
+        if gpus == 0:  # auto: host memory, no cap; gpu: the planner skips, saying so, as before
+            return None, ""
+        return gpus, f"{gpus} GPU(s) on this machine"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to launch and what to predict for one spec."""
+
+    launch: Spec  # the spec with only launchable sizes (the original when nothing is capped)
+    predicted: tuple[int, ...] = ()
+    skip_reason: str | None = None
+
+
+def plan(spec: Spec, capacity: Capacity) -> Plan:
+    cap, source = capacity.cap(spec)
+    if cap is None or max(spec.sizes) <= cap:
+        return Plan(spec)
+    above = tuple(n for n in spec.nproc if n > cap)
+    within = tuple(n for n in spec.sizes if n <= cap)
+    sizes = ", ".join(map(str, above))
+    head = f"nproc={sizes} needs more processes than can be launched here (at most {cap}: {source})"
+    if not capacity.predict:
+        return Plan(spec, skip_reason=f"{head}; prediction is off (--gpumem-no-predict)")
+    if len(within) < 2:
+        have = ", ".join(map(str, within)) or "none"
+        return Plan(spec, skip_reason=f"{head}; predicting needs at least two launched sizes, and only "
+                                      f"nproc {have} fits: add smaller sizes to nproc (e.g. 1, 2)")
+    return Plan(replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap)), above)
+
+
+def _gated_points(test: TestRun, spec: Spec) -> list[tuple[int, float]]:
+    points = []
+    for result in test.results:
+        _, mib = result.gated(spec.rank)
+        if mib is not None and not result.predicted:
+            points.append((result.world_size, mib))
+    return points
+
+
+def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
+    """Launch what fits, then add a predicted :class:`SizeResult` for each size above the cap."""
+    chosen = plan(spec, capacity)
+    if chosen.skip_reason is not None:
+        return TestRun(test_id, spec, skip_reason=chosen.skip_reason)
+    test = runner.run(test_id, chosen.launch)
+    test.spec = spec  # the limits and sizes the user asked for, predicted ones included
+    if not chosen.predicted or test.skip_reason is not None or test.problems:
+        return test
+    label = "largest rank" if spec.rank == "all" else f"rank {spec.rank}"
+    launched = [r for r in test.results if not r.predicted]
+    device, platform = launched[-1].device, launched[-1].platform
+    try:
+        for n in chosen.predicted:
+            prediction = predict(_gated_points(test, spec), n, label)
+            test.predicted.append(SizeResult(world_size=n, device=device, peaks={}, platform=platform,
+                                             prediction=prediction))
+    except PredictError as exc:
+        test.predicted.clear()
+        if all(r.gated(spec.rank)[1] is not None for r in launched):  # else the verdict fails on it
+            test.skip_reason = f"nproc={', '.join(map(str, chosen.predicted))} cannot be predicted: {exc}"
+    return test

@@ -1,0 +1,173 @@
+"""The fit of peak memory versus world size: shapes recovered, LOO choice, refusals, degenerate data;
+and the plan of what to launch and what to predict (no launches here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pytest_gpumem.predict import FLAT, LINEAR, SHARDED, SUM, PredictError, fit, least_squares, loo_error, predict
+from pytest_gpumem.sampling import Peak
+from pytest_gpumem.scaling import Capacity, plan
+from pytest_gpumem.spec import Defaults, parse_marker
+from pytest_gpumem.verdict import SizeResult, judge
+
+SIZES = (1, 2, 4, 8)
+
+
+def points(shape, sizes=SIZES):
+    return [(n, shape(n)) for n in sizes]
+
+
+@pytest.mark.parametrize("shape, model", [
+    (lambda n: 5734.0, FLAT),
+    (lambda n: 4400.0 + 1349.0 * n, LINEAR),                 # LiBai Swin eager: 5734 at 1 -> ~15190 at 8
+    (lambda n: 1000.0 + 4096.0 / n, SHARDED),                # ZeRO-style sharded optimizer state
+    (lambda n: 1000.0 + 64.0 * n + 2048.0 / n, SUM),         # both
+])
+def test_known_shapes_are_recovered_and_extrapolate(shape, model):
+    chosen = fit(points(shape))
+    assert chosen.model is model, chosen.candidates
+    assert chosen.loo_error == pytest.approx(0.0, abs=1e-9)
+    assert chosen.at(64) == pytest.approx(shape(64), rel=1e-9)
+
+
+def test_three_points_cannot_judge_the_three_parameter_model():
+    shape = lambda n: 1000.0 + 64.0 * n + 2048.0 / n  # noqa: E731
+    chosen = fit(points(shape, (1, 2, 4)))
+    assert chosen.model is not SUM
+    reasons = {c.model.name: c.reason for c in chosen.candidates}
+    assert reasons["sum"] == "needs 4 sizes to be judged"
+    assert chosen.loo_error is not None and chosen.loo_error > 0  # an honest, nonzero error
+
+
+def test_loo_picks_the_model_that_predicts_unseen_points_best():
+    # Linear growth with measurement noise of ~1 MiB: linear's held-out misses are tiny, flat's are not.
+    measured = [(1, 601.0), (2, 864.5), (4, 1390.2), (8, 2441.0)]
+    chosen = fit(measured)
+    assert chosen.model is LINEAR
+    by_name = {c.model.name: c.loo_error for c in chosen.candidates}
+    assert by_name["flat"] > 0.3 and by_name["linear"] < 0.01
+    assert chosen.loo_error == by_name["linear"]
+
+
+def test_a_simpler_model_wins_a_tie():
+    # Flat within noise: linear and the others predict held-out points no better than flat.
+    measured = [(1, 480.0), (2, 481.0), (4, 480.5), (8, 480.8)]
+    chosen = fit(measured)
+    assert chosen.model is FLAT
+    assert chosen.at(64) == pytest.approx(480.575)
+
+
+def test_two_points_give_the_line_through_them_and_no_more():
+    chosen = fit([(1, 500.0), (2, 600.0)])
+    assert chosen.model is LINEAR and chosen.loo_error is None
+    assert chosen.at(8) == pytest.approx(1200.0)
+    assert "LOO error n/a: two sizes" in chosen.describe()
+    reasons = {c.model.name: c.reason for c in chosen.candidates}
+    assert reasons["sum"] == reasons["sharded"] == "two sizes: only the line through them"
+    # Even when the data are exactly sharded, two points never buy more than a line.
+    assert fit([(1, 2000.0), (2, 1500.0)]).model is LINEAR
+
+
+def test_identical_points_and_zeros_are_flat_without_dividing_by_zero():
+    assert fit([(1, 700.0), (2, 700.0), (4, 700.0)]).model is FLAT
+    zero = fit([(1, 0.0), (2, 0.0), (4, 0.0), (8, 0.0)])
+    assert zero.model is FLAT and zero.at(64) == 0.0 and zero.loo_error == 0.0
+    assert math.isfinite(loo_error(LINEAR, [(1, 0.0), (2, 0.5), (4, 0.0)]))
+
+
+@pytest.mark.parametrize("given, message", [
+    ([(1, 500.0)], "a prediction needs at least two distinct world sizes"),
+    ([], "0 measured size(s) (none)"),
+    ([(2, 500.0), (2, 510.0)], "world sizes [2, 2] repeat"),
+    ([(1, 500.0), (2, None)], "peak at nproc=2 is None: expected a finite number of MiB >= 0"),
+    ([(1, 500.0), (2, float("nan"))], "peak at nproc=2 is nan"),
+    ([(1, 500.0), (2, -3.0)], "peak at nproc=2 is -3.0"),
+    ([(0, 500.0), (2, 1.0)], "world size 0 is not accepted"),
+])
+def test_refusals_say_why(given, message):
+    with pytest.raises(PredictError) as info:
+        fit(given)
+    assert message in str(info.value)
+
+
+def test_least_squares_refuses_an_undetermined_system():
+    assert least_squares(SUM, [(1, 1.0), (2, 2.0)]) is None
+    assert least_squares(LINEAR, [(4, 1.0)]) is None
+
+
+def test_prediction_describes_itself_and_serialises():
+    p = predict([(1, 500.0), (2, 600.0), (4, 800.0)], 8)
+    assert p.mib == pytest.approx(1200.0) and p.world_size == 8
+    assert p.describe() == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
+    data = p.as_dict()
+    assert data["formula"] == "a + b*N" and data["fitted_on"] == {"1": 500.0, "2": 600.0, "4": 800.0}
+    assert data["basis"] == p.describe() and data["mib"] == 1200.0
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+def spec(**kw):
+    return parse_marker((), kw, Defaults())
+
+
+def test_a_predicted_size_is_judged_and_says_it_was_predicted():
+    s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16, max_mib=700)
+    launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
+    p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
+    v = judge(s, launched + [SizeResult(8, "cpu", {}, prediction=p)])
+    assert [(c.kind, c.world_size) for c in v.failures] == [("max_mib", 8), ("max_ratio", 8)]
+    assert str(v.failures[1]) == (
+        "rank 0 at nproc=8 (cpu, predicted by a + b*N from nproc 1,2,4; LOO error 0.0%): "
+        "peak 740.0 MiB > 1.20 x 600.0 MiB (nproc=1) + 16 MiB = 736.0 MiB (ratio 1.23x)")
+    assert "4: 660.0 MiB (1.10x) | 8: 740.0 MiB (1.23x) predicted FAIL" in v.summary_line()
+    assert "nproc=8 cpu MiB rank 0 740.0, predicted by a + b*N" in v.render()
+
+
+def test_a_predicted_size_is_never_compared_with_a_baseline():
+    from pytest_gpumem.spec import Tolerance
+    from pytest_gpumem.verdict import BaselineRef
+
+    s = spec(nproc=[1, 2, 8])
+    p = predict([(1, 500.0), (2, 600.0)], 8)
+    v = judge(s, [SizeResult(8, "cpu", {}, prediction=p)], {8: BaselineRef(100.0, Tolerance(percent=1))})
+    assert v.passed and v.checks == ()
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def test_plan_launches_what_fits_and_predicts_the_rest():
+    s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2)
+    chosen = plan(s, Capacity(max_nproc=4))
+    assert chosen.launch.nproc == (1, 2, 4) and chosen.predicted == (8,) and chosen.skip_reason is None
+    assert plan(s, Capacity(max_nproc=8)).launch is s  # nothing above the cap: unchanged
+    # A reference launched for the ratio counts as a launched size.
+    assert plan(spec(nproc=[2, 8], max_ratio=1.2), Capacity(max_nproc=4)).launch.sizes == (1, 2)
+
+
+def test_plan_skips_with_the_reason():
+    s = spec(nproc=[1, 8])
+    few = plan(s, Capacity(max_nproc=4))
+    assert few.skip_reason == ("nproc=8 needs more processes than can be launched here (at most 4: "
+                               "gpumem_max_nproc=4); predicting needs at least two launched sizes, and "
+                               "only nproc 1 fits: add smaller sizes to nproc (e.g. 1, 2)")
+    off = plan(spec(nproc=[1, 2, 8]), Capacity(max_nproc=4, predict=False))
+    assert off.skip_reason.endswith("prediction is off (--gpumem-no-predict)")
+
+
+def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
+    calls = []
+
+    def gpus():
+        calls.append(1)
+        return 4
+
+    s = spec(nproc=[1, 2, 4, 8])
+    capacity = Capacity(gpu_count=gpus)
+    assert plan(s, capacity).predicted == (8,)
+    assert "4 GPU(s) on this machine" in plan(spec(nproc=[1, 8]), capacity).skip_reason
+    assert len(calls) == 1  # asked once per session
+    assert plan(spec(nproc=[1, 8], device="cpu"), Capacity(gpu_count=gpus)).predicted == ()
+    assert plan(s, Capacity(gpu_count=lambda: 0)).predicted == ()  # no GPU: host memory, no cap
