@@ -58,7 +58,7 @@ def _inv(n: float) -> float:
     return 1.0 / n
 
 
-FLAT = Model("flat", "a", (_one,))
+FLAT = Model("flat", "a (flat)", (_one,))
 LINEAR = Model("linear", "a + b*N", (_one, _n))
 SHARDED = Model("sharded", "a + b/N", (_one, _inv))
 SUM = Model("sum", "a + b*N + c/N", (_one, _n, _inv))

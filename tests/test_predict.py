@@ -171,3 +171,52 @@ def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
     assert len(calls) == 1  # asked once per session
     assert plan(spec(nproc=[1, 8], device="cpu"), Capacity(gpu_count=gpus)).predicted == ()
     assert plan(s, Capacity(gpu_count=lambda: 0)).predicted == ()  # no GPU: host memory, no cap
+
+
+# ----------------------------------------------------------------------------- renderings of a record
+
+def _predicted_record():
+    from pytest_gpumem.launch import LaunchResult
+    from pytest_gpumem.report import record
+    from pytest_gpumem.runner import SizeRun, TestRun
+
+    s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
+    launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
+    p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
+    test = TestRun("t/p.py::test_grows", s,
+                   runs=[SizeRun(r, LaunchResult(r.world_size, "direct", []), {}) for r in launched],
+                   predicted=[SizeResult(8, "cpu", {}, prediction=p)])
+    return record(test, judge(s, test.results), "FAIL", {})
+
+
+def test_every_output_labels_the_predicted_size():
+    from pytest_gpumem import outputs
+    from pytest_gpumem.report import table
+
+    rec = _predicted_record()
+    sizes = {s["nproc"]: s for s in rec["sizes"]}
+    assert sizes[8]["predicted"]["basis"] == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
+    assert sizes[4]["predicted"] is None and sizes[8]["failed"] and not sizes[4]["failed"]
+    lines = table([rec])
+    assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("FAIL")
+    assert lines[-1] == "nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; LOO error 0.0%, not launched"
+    md = outputs.markdown([rec])
+    assert "740.0 (rank 0, cpu, **predicted**)" in md
+    assert "predicted (not launched): nproc=8 of `t/p.py::test_grows`, predicted by a + b*N" in md
+    assert "(cpu, predicted by a + b*N from nproc 1,2,4; LOO error 0.0%)" in md  # the failure message
+    assert [e["name"] for e in outputs.benchmark_json([rec])] == [
+        f"t/p.py::test_grows nproc={n} rank 0" for n in (1, 2, 4)]  # measurements only
+    props = dict(outputs.junit_properties(rec))
+    assert props["gpumem_nproc8_predicted"].startswith("predicted by a + b*N") and "gpumem_nproc4_predicted" not in props
+
+
+def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pytest_gpumem import plots
+
+    rec = _predicted_record()
+    path = tmp_path / "p.png"
+    plots.plot(rec, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    title = plots._size_title(rec, rec["sizes"][-1])
+    assert title.startswith("nproc=8 (cpu memory): PREDICTED, not launched: rank 0 740.0 MiB, 1.23x nproc=1 — FAIL")

@@ -1,0 +1,94 @@
+"""Predicted sizes through the plugin, with real torch (gloo, CPU) launches capped at 4 ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+# 40 MiB per rank, times the world size when the test inflates: at 1, 2, 4 ranks the gate's 200 MiB
+# allowance holds (+0, +40, +120 MiB); at 8 it would not (+280 MiB). Only a prediction can see that.
+JOBS = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+
+
+def step(inflating):
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    rows = 40 * MiB // 4 // 1024
+    local = torch.ones(rows * (world if inflating else 1), 1024)  # the bug: every rank holds the world's data
+    total = torch.tensor([local.sum().item()])
+    dist.all_reduce(total)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 4, 8], max_ratio=1.0, allow_mib=200)
+def test_healthy():
+    step(False)
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 4, 8], max_ratio=1.0, allow_mib=200)
+def test_inflating():
+    step(True)
+'''
+
+
+def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_tag, tmp_path):
+    pytester.makepyfile(JOBS)
+    report = tmp_path / "report.json"
+    markdown = tmp_path / "summary.md"
+    result = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "4", "--gpumem-refresh",
+                                "--gpumem-report", str(report), "--gpumem-markdown", str(markdown),
+                                "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*gpumem: memory limit exceeded at nproc=8*",
+        "*rank 0 at nproc=8 (cpu, predicted by a + b*N from nproc 1,2,4; LOO error *%): peak * MiB > "
+        "1.00 x * MiB (nproc=1) + 200 MiB = * MiB (ratio *x)*",
+        "*nproc=8 cpu MiB rank 0 *, predicted by a + b*N from nproc 1,2,4*(not launched)*",
+    ])
+    out = result.stdout.str()
+    assert "at nproc=2 (cpu)" not in out and "at nproc=4 (cpu)" not in out  # only 8 fails
+    table = [line.split() for line in result.stdout.lines if line.startswith("test_inflation_fails") and "::" in line]
+    rows = {(cells[0].rsplit("::", 1)[1], cells[1]): " ".join(cells[2:]) for cells in table}
+    assert "(rank 0, predicted)" in rows["test_inflating", "8"] and rows["test_inflating", "8"].endswith("FAIL")
+    assert "(rank 0, predicted)" in rows["test_healthy", "8"] and rows["test_healthy", "8"].endswith("pass")
+    assert "predicted" not in rows["test_inflating", "4"] and rows["test_inflating", "4"].endswith("ok")
+    result.stdout.fnmatch_lines(["nproc=8 of *::test_inflating: predicted by a + b*N from nproc 1,2,4; *, not launched"])
+
+    records = {r["test"].rsplit("::", 1)[1]: r for r in json.loads(report.read_text())["tests"]}
+    for name in ("test_healthy", "test_inflating"):
+        sizes = {s["nproc"]: s for s in records[name]["sizes"]}
+        assert sorted(sizes) == [1, 2, 4, 8]
+        assert all(sizes[n]["predicted"] is None for n in (1, 2, 4))
+        fit = sizes[8]["predicted"]
+        assert fit["fitted_on"].keys() == {"1", "2", "4"} and fit["formula"] and fit["basis"].startswith("predicted by")
+        assert sizes[8]["ranks"] == {} and sizes[8]["timeline"] == []
+    inflating = {s["nproc"]: s["gated_mib"] for s in records["test_inflating"]["sizes"]}
+    assert inflating[8] - inflating[1] > 200  # what the launches at 1, 2, 4 imply, 280 MiB in truth
+    assert "**predicted**" in markdown.read_text()
+
+    # Refreshed baselines hold the launched sizes only: a prediction is not a measurement.
+    stored = json.loads(next((pytester.path / "baselines").rglob("*.json")).read_text())["tests"]
+    for name in ("test_healthy", "test_inflating"):
+        (platform,) = stored[name].values()
+        assert sorted(platform) == ["1", "2", "4"], platform.keys()
+
+    # --gpumem-no-predict: skipped as before, saying why; the same with one launchable size.
+    off = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "4", "--gpumem-no-predict", "-rs",
+                             "-p", "no:cacheprovider")
+    off.assert_outcomes(skipped=2)
+    off.stdout.fnmatch_lines(["*nproc=8 needs more processes than can be launched here (at most 4: "
+                              "gpumem_max_nproc=4); prediction is off (--gpumem-no-predict)*"])
+    one = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "1", "-rs", "-p", "no:cacheprovider")
+    one.assert_outcomes(skipped=2)
+    one.stdout.fnmatch_lines(["*predicting needs at least two launched sizes, and only nproc 1 fits*"])
