@@ -1,9 +1,10 @@
-"""``gpumem``: refresh and show stored baselines, diff two JSON reports.
+"""``gpumem``: refresh and show stored baselines, diff two JSON reports, measure a launch.
 
 ``gpumem refresh [pytest args]`` is ``pytest --gpumem --gpumem-refresh [pytest args]`` in a fresh
 interpreter (the plugin does the writing, so the CLI and pytest can never disagree on the format).
 ``gpumem diff OLD.json NEW.json`` compares two ``--gpumem-report`` files (main vs the PR, same
 job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
+``gpumem measure --nproc 1,2,4 -- train_net.py ...`` runs a program at each size (``measure.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument(baselines.flag.replace("--gpumem-", "--"), dest="baselines",
                       default=os.environ.get(baselines.env or "", baselines.default),
                       help=f"{baselines.help} (default: {baselines.default})")
+    sub.add_parser("measure", add_help=False,  # parsed by measure.py: everything after -- is the program
+                   help="run an existing launch at several world sizes and print its per-rank scaling table "
+                        "(gpumem measure --help)")
     diff = sub.add_parser("diff", help="compare the gated peaks of two JSON reports (exit 1 on a regression)",
                           description="Per test and world size: gated peak OLD -> NEW; a regression is "
                                       "NEW > OLD + tolerance. Exit 0: none, 1: a regression, 2: bad input.")
@@ -90,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         # Everything after "refresh" belongs to pytest, options included.
         command = [sys.executable, "-m", "pytest", "--gpumem", "--gpumem-refresh", *argv[1:]]
         return subprocess.call(command)
+    if argv[:1] == ["measure"]:
+        from . import measure
+
+        return measure.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "diff":
         return _diff(args)

@@ -1,0 +1,229 @@
+"""``gpumem measure``: an existing launch at several world sizes, and its per-rank scaling table.
+
+    gpumem measure --nproc 1,2,4 [--launcher L] [--device D] [--timeout S] [--max-nproc N]
+                   [--report F.json] [--markdown F.md] -- train_net.py --config-file gpt2.py
+
+No pytest: a script-mode :class:`Spec` (``script=``/``module=``, ``args=``) goes through the same
+:class:`Runner` as a test, so the numbers, the timeout, the temporary folder and the killing of
+every process are the test's own; sizes above the cap are predicted as in a test. The report and
+the Markdown are the plugin's formats (``gpumem diff`` reads the report). Exit 0 when every launch
+succeeded, 1 when one failed (its output is printed), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .settings import SettingsError, option, resolve
+from .spec import DEVICES, LAUNCHERS, SpecError, parse_marker
+
+USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
+_PYTHON = re.compile(r"^python[\d.]*$")
+
+
+def _validated(name: str) -> Callable[[str], str]:
+    """An argparse type that checks a value the way the plugin's setting does, and keeps the text."""
+    opt = option(name)
+
+    def check(text: str) -> str:
+        try:
+            opt.parse(text)
+        except (ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not accepted: expected {opt.accepted}") from None
+        return text
+
+    return check
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not accepted: expected world sizes separated by commas, e.g. 1,2,4") from None
+
+
+def _rank(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted: expected an int >= 0 or all") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpumem measure", usage=USAGE,
+        description="Run an existing launch at each world size and print every rank's peak memory.",
+        epilog="Everything after -- is the program: a Python script (relative to the current folder) "
+               "or -m MODULE, with its own arguments. The ranks run it with this interpreter.")
+    p.add_argument("--nproc", type=_sizes, required=True, help="world sizes, e.g. 1,2,4 (larger than "
+                   "--max-nproc: predicted from the launched sizes)")
+    p.add_argument("--launcher", type=_validated("launcher"), help=f"one of {', '.join(LAUNCHERS)} "
+                   f"(default: $GPUMEM_LAUNCHER or direct)")
+    p.add_argument("--device", type=_validated("device"), help=f"memory that is reported: one of "
+                   f"{', '.join(DEVICES)} (default: $GPUMEM_DEVICE or auto)")
+    p.add_argument("--timeout", type=_validated("timeout"), help="seconds for each launch (default: "
+                   "$GPUMEM_TIMEOUT or 600)")
+    p.add_argument("--max-nproc", type=_validated("max_nproc"), help="largest world size launched "
+                   "(default: $GPUMEM_MAX_NPROC, else the GPUs present where the ranks use GPUs)")
+    p.add_argument("--no-predict", action="store_true", help="fail instead of predicting sizes above the cap")
+    p.add_argument("--rank", type=_rank, default=0, help="the rank whose peak is the ratio's and the "
+                   "prediction's subject: an int or all (default 0)")
+    p.add_argument("--report", type=Path, help="write the JSON report here (the plugin's format)")
+    p.add_argument("--markdown", type=Path, help="write a Markdown summary here")
+    p.add_argument("--plots", type=Path, help="write a memory-over-time PNG into this folder (needs matplotlib)")
+    return p
+
+
+def _program(command: Sequence[str], cwd: Path) -> dict[str, Any]:
+    """``script=``/``module=`` and ``args=`` of the Spec, or ValueError naming what is wrong."""
+    if not command:
+        raise ValueError(f"the program is missing: expected it after --, e.g. {USAGE}")
+    first = command[0]
+    if first == "-m":
+        if len(command) < 2:
+            raise ValueError("-m needs a module name: -m MODULE [ARGS ...]")
+        return {"module": command[1], "args": list(command[2:])}
+    if _PYTHON.match(Path(first).name):
+        raise ValueError(f"the program starts at {first!r}: start it at the script (the ranks run it with "
+                         f"this interpreter), e.g. -- train_net.py --steps 3")
+    if not (cwd / first).is_file():
+        raise ValueError(f"the program {first!r} is not a file under {cwd}: expected a Python script "
+                         f"or -m MODULE")
+    return {"script": first, "args": list(command[1:])}
+
+
+def _fail(message: str) -> int:
+    print(f"gpumem measure: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parser().parse_args(options)  # exits 2 naming the argument on a bad value
+    cwd = Path.cwd()
+    try:
+        program = _program(command, cwd)
+    except ValueError as exc:
+        return _fail(str(exc))
+    given = {"launcher": args.launcher, "device": args.device, "timeout": args.timeout,
+             "max_nproc": args.max_nproc, "predict": "0" if args.no_predict else None}
+    try:  # unset options come from GPUMEM_* like the plugin's; a bad one names its variable
+        settings = resolve(given, os.environ, {}, rootdir=cwd, enabled=True, refresh=False)
+    except SettingsError as exc:
+        return _fail(str(exc))
+    try:
+        spec = parse_marker((), {"nproc": list(args.nproc), "rank": args.rank, "max_ratio": None,
+                                 "launcher": settings.launcher, "device": settings.device,
+                                 "timeout": settings.timeout, **program}, settings.defaults())
+    except SpecError as exc:
+        name = str(exc).split("=", 1)[0]
+        return _fail(f"argument --{name.replace('_', '-')}: {exc}" if name.isidentifier() else str(exc))
+    for name in ("report", "markdown"):
+        path = getattr(args, name)
+        if path is not None and not _writable(path.parent):
+            return _fail(f"argument --{name}: cannot write {str(path)!r}: expected a writable path")
+    if args.plots is not None:
+        from . import plots
+
+        try:
+            plots.check_available()
+        except plots.PlotsUnavailable as exc:
+            return _fail(f"argument --plots: {exc}")
+    return _measure(spec, settings, args, " ".join(command))
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
+def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
+    from . import outputs, scaling
+    from .gpus import GpuPlanner
+    from .leases import default_lease_dir
+    from .report import record
+    from .runner import Runner
+    from .sampling.nvml import visible_gpus
+    from .verdict import judge
+
+    interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
+    runner = Runner(
+        cwd=Path.cwd(), rootdir=Path.cwd(), rank_pytest_args=_no_pytest,
+        gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
+        host_interval_s=interval,
+    )
+    capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
+    test = scaling.run(runner, command, spec, capacity)
+    verdict = judge(spec, test.results) if test.results and not test.problems else None
+    status = ("skip" if test.skip_reason else "ERROR" if test.problems
+              else "pass" if verdict is not None and verdict.passed else "ERROR")
+    rec = record(test, verdict, status, {})
+    rec["messages"] = list(test.problems) + ([test.skip_reason] if test.skip_reason else [])
+    for line in scaling_table(rec):
+        print(line)
+    if args.report is not None:
+        args.report.write_text(json.dumps({"schema": outputs.SCHEMA, "tests": [rec]}, indent=2) + "\n")
+    if args.markdown is not None:
+        args.markdown.write_text(outputs.markdown([rec]))
+    if args.plots is not None:
+        from . import plots
+
+        plots.plot_all([rec], args.plots)
+    if status == "pass":
+        return 0
+    for message in rec["messages"] or [str(c) for c in (verdict.failures if verdict else [])]:
+        print(f"gpumem measure: {message}", file=sys.stderr)
+    return 1
+
+
+def _no_pytest(test_id: str) -> list[str]:
+    raise AssertionError("gpumem measure launches programs, never a test body")
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def scaling_table(rec: Mapping[str, Any]) -> list[str]:
+    """One row per world size: the gated rank, the other ranks' range, the largest, the ratio to
+    nproc=1; a predicted size says so and on what it stands."""
+    header = ("nproc", "gated MiB", "other ranks MiB", "largest MiB", "ratio", "seconds", "how")
+    rows = []
+    for size in rec["sizes"]:
+        ranks = {int(r): v for r, v in size["ranks"].items() if v is not None}
+        gated = size["gated_rank"]
+        others = [v for r, v in ranks.items() if f"rank {r}" != gated]
+        largest = max(ranks.items(), key=lambda item: item[1]) if ranks else None
+        fit = size.get("predicted")
+        how = f"{size['device']}, {fit['basis']}" if fit else (
+            f"{size['device']}, " + ", ".join(sorted(set(size["methods"].values())) or ["not available"]))
+        rows.append((
+            str(size["nproc"]) + (" (predicted)" if fit else ""),
+            f"{_mib(size['gated_mib'])} ({gated})",
+            "-" if not others else (_mib(min(others)) if min(others) == max(others)
+                                    else f"{min(others):.1f}-{max(others):.1f}"),
+            "-" if largest is None else f"{largest[1]:.1f} (rank {largest[0]})",
+            "-" if size["ratio"] is None else f"{size['ratio']:.2f}x",
+            "-" if fit else f"{size['duration_s']:.1f}",
+            how,
+        ))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+
+    title = f"gpumem measure: {rec['test']} ({rec['launcher']} launcher): {rec['status']}"
+    return [title, line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
