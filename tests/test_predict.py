@@ -220,3 +220,26 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     title = plots._size_title(rec, rec["sizes"][-1])
     assert title.startswith("nproc=8 (cpu memory): PREDICTED, not launched: rank 0 740.0 MiB, 1.23x nproc=1 — FAIL")
+
+
+def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
+    from pytest_gpumem.gate import explain_failure
+    from pytest_gpumem.launch import LaunchResult
+    from pytest_gpumem.runner import SizeRun, TestRun
+
+    s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
+    launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]
+    gather = {"src": "S(0)", "dst": "B", "op": "cast-0 (cast)", "tensor": "x/out (4096, 1024) float32", "placement": ""}
+    grad = {"src": "P", "dst": "B", "op": "w_opt (sgd_update)", "tensor": "g/out (64,) float32", "placement": ""}
+    runs = [SizeRun(r, LaunchResult(r.world_size, "direct", []), {}, boxings=[] if r.world_size == 1 else [grad, gather])
+            for r in launched]
+    p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
+    test = TestRun("t/g.py::test_graph", s, runs=runs, predicted=[SizeResult(8, "cpu", {}, prediction=p)])
+    verdict = judge(s, test.results)
+    assert [c.world_size for c in verdict.failures] == [8]
+    text = explain_failure(test, verdict, [], {})
+    assert "  nn.Graph boxing (SBP conversions) at nproc=4 against nproc=1 (no audited baseline):\n" \
+           "    new: S(0)->B x1 (was 0); 16.0 MiB moved\n" \
+           "      16.0 MiB  x/out (4096, 1024) float32 into cast-0 (cast)\n" \
+           "    new: P->B x1 (was 0); 256 B moved\n" in text
+    assert "nproc=8 (" not in text.split("per-rank peaks over the run:")[1]  # no timeline for what never ran
