@@ -9,7 +9,7 @@ OF := .venv-oneflow
 TO := .venv-torch
 PYTEST_FLAGS ?= -p no:cacheprovider
 
-.PHONY: test demo demo-torch demo-oneflow baselines bench venvs clean
+.PHONY: test demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -48,6 +48,11 @@ demo-torch: $(TO)/.ready
 bench: venvs
 	$(OF)/bin/python benchmarks/bench.py
 	$(TO)/bin/python benchmarks/bench.py
+
+# Predicted vs measured peaks at 8 ranks (heavy: 8-rank CPU launches): benchmarks/results/predict_validation.txt
+predict-validation: venvs
+	$(OF)/bin/python benchmarks/predict_validation.py
+	$(TO)/bin/python benchmarks/predict_validation.py
 
 # Rewrite the examples' stored baselines (review the diff, then commit baselines/).
 baselines: venvs
