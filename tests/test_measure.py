@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,24 @@ def test_a_hanging_program_times_out_and_every_process_is_gone(tmp_path, private
                   cwd=tmp_path, tmp=private_tmp, tag=launch_tag, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "launch timed out after 3 s at nproc=2" in done.stderr
+    assert processes_tagged(launch_tag) == []
+    assert list(private_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_mid_launch_leaves_no_process_and_no_folder(signum, tmp_path, private_tmp, launch_tag):
+    (tmp_path / "hang.py").write_text("import time\ntime.sleep(600)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_")}
+    env.update(TMPDIR=str(private_tmp), PYTHONPATH=str(REPO), **{TAG_ENV: launch_tag})
+    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpumem.cli", "measure", "--nproc", "2", "--", "hang.py"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while len(processes_tagged(launch_tag)) < 3 and time.monotonic() < deadline:  # gpumem and both ranks
+        time.sleep(0.2)
+    assert len(processes_tagged(launch_tag)) >= 3, proc.communicate(timeout=30)[0]
+    proc.send_signal(signum)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, output
     assert processes_tagged(launch_tag) == []
     assert list(private_tmp.iterdir()) == []
 
