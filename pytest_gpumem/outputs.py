@@ -340,7 +340,8 @@ def load_report(path: Path | str) -> list[dict[str, Any]]:
 
 
 # Order of a diff's rows: what fails the gate first.
-_KINDS = ("regression", "unmeasured", "device changed", "improved", "unchanged", "added", "removed")
+_KINDS = ("regression", "unmeasured", "device changed", "predicted on one side", "improved", "unchanged", "added",
+          "removed")
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,8 @@ def _diff_row(key: tuple[str, int], old: tuple[Record, Mapping[str, Any]] | None
     if old_size.get("device") != new_size.get("device"):
         return DiffRow(test, nproc, old_mib, new_mib, "device changed",
                        device=f"{old_size.get('device')} -> {device}")
+    if bool(old_size.get("predicted")) != bool(new_size.get("predicted")):  # a fit is no measurement
+        return DiffRow(test, nproc, old_mib, new_mib, "predicted on one side", device=device)
     if old_mib is None or new_mib is None:
         return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
     tolerance = _tolerance_of(new_rec, override)
@@ -416,7 +419,8 @@ def compare(old: Iterable[Record], new: Iterable[Record], tolerance: Tolerance |
 
     ``tolerance=None`` uses each test's own tolerance (from the new report), as its baseline check
     does. Sizes in only one report are ``added``/``removed``; a size whose gated device changed
-    (GPU vs host memory) is not compared; a size not measured on one side is ``unmeasured``.
+    (GPU vs host memory) is not compared, nor one predicted on one side and launched on the other;
+    a size not measured on one side is ``unmeasured``.
     """
     override = parse_tolerance(tolerance) if tolerance is not None else None
     old_sizes, new_sizes = _by_size(old), _by_size(new)

@@ -3,6 +3,7 @@ and the plan of what to launch and what to predict (no launches here)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -243,3 +244,16 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
            "      16.0 MiB  x/out (4096, 1024) float32 into cast-0 (cast)\n" \
            "    new: P->B x1 (was 0); 256 B moved\n" in text
     assert "nproc=8 (" not in text.split("per-rank peaks over the run:")[1]  # no timeline for what never ran
+
+
+def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
+    from pytest_gpumem import outputs
+
+    predicted = _predicted_record()
+    measured = json.loads(json.dumps(predicted))
+    measured["sizes"][-1]["predicted"] = None
+    measured["sizes"][-1]["gated_mib"] = 600.0
+    kinds = {(r.test, r.nproc): r.kind for r in outputs.compare([measured], [predicted]).rows}
+    assert kinds[("t/p.py::test_grows", 8)] == "predicted on one side"
+    assert kinds[("t/p.py::test_grows", 4)] == "unchanged"
+    assert outputs.compare([predicted], [predicted]).rows[-1].kind == "unchanged"  # fit against fit
