@@ -9,7 +9,7 @@ skipped as before, with the reason. Used by the plugin and by ``gpumem measure``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .predict import PredictError, predict
@@ -18,14 +18,15 @@ from .spec import Spec
 from .verdict import SizeResult
 
 
-@dataclass
 class Capacity:
     """How many ranks one launch may have, and whether larger sizes are predicted."""
 
-    max_nproc: int | None = None  # gpumem_max_nproc; None: the GPUs present decide
-    predict: bool = True
-    gpu_count: Callable[[], int] = lambda: 0  # called only when max_nproc is None and GPUs matter
-    _gpus: list[int] = field(default_factory=list, repr=False)
+    def __init__(self, max_nproc: int | None = None, predict: bool = True,
+                 gpu_count: Callable[[], int] = lambda: 0) -> None:
+        self.max_nproc = max_nproc  # gpumem_max_nproc; None: the GPUs present decide
+        self.predict = predict
+        self._gpu_count = gpu_count  # asked once, and only when max_nproc is None and GPUs matter
+        self._gpus: int | None = None
 
     def cap(self, spec: Spec) -> tuple[int | None, str]:
         """(largest launchable size or None for no cap, where that number comes from)."""
@@ -33,12 +34,11 @@ class Capacity:
             return self.max_nproc, f"gpumem_max_nproc={self.max_nproc}"
         if spec.device == "cpu":
             return None, ""
-        if not self._gpus:
-            self._gpus.append(int(self.gpu_count()))
-        gpus = self._gpus[0]
-        if gpus == 0:  # auto: host memory, no cap; gpu: the planner skips, saying so, as before
+        if self._gpus is None:
+            self._gpus = int(self._gpu_count())
+        if self._gpus == 0:  # auto: host memory, no cap; gpu: the planner skips, saying so, as before
             return None, ""
-        return gpus, f"{gpus} GPU(s) on this machine"
+        return self._gpus, f"{self._gpus} GPU(s) on this machine"
 
 
 @dataclass(frozen=True)
