@@ -35,7 +35,12 @@ test: venvs
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
 
 # The main job: pytest --gpumem over the real examples, printing the memory table.
-demo: demo-oneflow demo-torch
+# Both halves always run; the target fails when either had a real failure.
+demo:
+	@status=0; \
+	$(MAKE) --no-print-directory demo-oneflow || status=1; \
+	$(MAKE) --no-print-directory demo-torch || status=1; \
+	exit $$status
 
 demo-oneflow: $(OF)/.ready
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_oneflow_eager_dp.py examples/test_oneflow_graph_dp.py

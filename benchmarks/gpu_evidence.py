@@ -10,6 +10,8 @@
    must show no GPU held by two tests at once.
 4. grid: spikes of 256 MiB .. 2 GiB held 1 .. 50 ms, watched by the sampler directly: capture rate.
 5. cost: CPU time of the sampler per GPU per second while a job holds memory steady.
+6. repeat: the DDP job 10 times with the floor measured: spread of the gated figure, floor and job.
+7. inrank: the spike of 1. through the NVML sampler inside each rank vs the parent-side one.
 It reads GPU settings (accounting mode) and never changes any.
 """
 
@@ -259,6 +261,55 @@ def ddp(folder: Path, out: Path) -> list[str]:
     return ["DDP nproc=[1, 2], NCCL, torchrun, one GPU per rank:"] + lines
 
 
+def repeat(folder: Path, out: Path, runs: int = int(os.environ.get("GPUMEM_EVIDENCE_RUNS", "10"))) -> list[str]:
+    """The DDP job ``runs`` times, floor measured: how much a GPU figure moves, and which part moves."""
+    rows: dict[int, list[tuple[float, float]]] = {}
+    provenance: dict[str, str] = {}
+    source = DDP.replace("def test_ddp():", f"@pytest.mark.parametrize('run', range({runs}))\ndef test_ddp(run):")
+    _, report = pytest_run(folder, "repeat", source, out, "--gpumem-floor=on")  # one session: floors measured once
+    if report["tests"]:
+        for rec in report["tests"]:
+            provenance = rec["provenance"]
+            for size in rec["sizes"]:
+                floor = (size.get("floor") or {}).get("ranks", {}).get("0")
+                rows.setdefault(size["nproc"], []).append((size["gated_mib"], floor))
+    lines = [f"DDP nproc=[1, 2] (NCCL, torchrun) {runs} times, rank 0, floor = an empty torch job "
+             "(CUDA context + torch start-up [+ NCCL communicator at nproc=2]):",
+             "  provenance: " + ", ".join(f"{k}={provenance[k]}" for k in
+                                         ("nvidia_driver", "cuda_driver", "torch", "torch_cuda", "nccl")
+                                         if k in provenance)]
+    for n, values in sorted(rows.items()):
+        gated = [g for g, _ in values]
+        floors = [f for _, f in values if f is not None]
+        jobs = [g - f for g, f in values if f is not None]
+        lines.append(f"  nproc={n}: gated {min(gated):.0f} .. {max(gated):.0f} MiB (spread {max(gated) - min(gated):.0f})"
+                     + (f"; floor {min(floors):.0f} .. {max(floors):.0f}; job's own {min(jobs):.0f} .. {max(jobs):.0f}"
+                        f" (spread {max(jobs) - min(jobs):.0f})" if floors else "; floor not measured"))
+        lines.append("    runs (gated = floor + job): " + ", ".join(
+            f"{g:.0f}" + (f"={f:.0f}+{g - f:.0f}" if f is not None else "") for g, f in values))
+    return lines
+
+
+def inrank(folder: Path, out: Path) -> list[str]:
+    """The 2 GiB / 5 ms spike through the sampler inside each rank, next to the parent-side one."""
+    lines = []
+    runs = int(os.environ.get("GPUMEM_EVIDENCE_RUNS", "20"))
+    source = SPIKE.replace("range(20)", f"range({runs})")
+    for where in ("parent", "rank"):
+        _, report = pytest_run(folder, "spike", source, out, f"--gpumem-gpu-sampler={where}", "-n", "2",
+                               label=f"spike-{where}")  # one launch per GPU at a time (leases)
+        caught = 0
+        for rec in report["tests"]:
+            run = int(rec["test"].split("[")[1].rstrip("]"))
+            truth = json.loads((out / f"spike-{run}.json").read_text())
+            peak = rec["sizes"][0]["gated_mib"] if rec["sizes"] else None
+            caught += bool(peak is not None and truth["steady_mib"] is not None
+                           and peak >= truth["steady_mib"] + 2048)
+        methods = sorted({m for rec in report["tests"] for s in rec["sizes"] for m in s["methods"].values()})
+        lines.append(f"  sampler in the {where}: caught {caught} of {len(report['tests'])} [{', '.join(methods)}]")
+    return [f"spike 2 GiB held 5 ms, {runs} launches each, parent-side vs in-rank NVML sampling:"] + lines
+
+
 def leases(folder: Path, out: Path) -> list[str]:
     lease_dir = out / "leases"
     wall2, rep2 = pytest_run(folder, "leases", LEASES, out, "-n", "2", f"--gpumem-lease-dir={lease_dir}",
@@ -359,7 +410,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--parts", default="spike,ddp,leases,grid,cost",
-                        help="comma list of spike, ddp, leases, grid, cost, faults, snapshot, inflate")
+                        help="comma list of spike, ddp, leases, grid, cost, faults, snapshot, inflate, repeat, inrank")
     parser.add_argument("--intervals-ms", default=str(DEFAULT_INTERVAL_S * 1e3),
                         help="sampling periods for grid and cost, comma list")
     args = parser.parse_args()
@@ -372,7 +423,7 @@ def main() -> None:
     lines = ["GPUs (read only):"] + ["  " + line for line in info.splitlines()]
     parts = args.parts.split(",")
     for name, part in (("spike", spike), ("ddp", ddp), ("leases", leases), ("faults", faults),
-                       ("snapshot", snapshot), ("inflate", inflate)):
+                       ("snapshot", snapshot), ("inflate", inflate), ("repeat", repeat), ("inrank", inrank)):
         if name in parts:
             lines += part(folder, out)
     for ms in map(float, args.intervals_ms.split(",")):

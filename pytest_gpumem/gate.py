@@ -15,7 +15,8 @@ from .explain import config_provenance, provenance_diff, timeline_lines
 from .report import record
 from .runner import SizeRun, TestRun
 from .settings import Settings
-from .verdict import BaselineRef, Verdict, judge
+from .sampling.allocations import is_allocation_method
+from .verdict import BaselineRef, SizeResult, Verdict, judge
 
 
 @dataclass
@@ -78,18 +79,36 @@ class Gate:
         """Stored entries for this platform; missing ones warn, or fail in CI (configurable)."""
         stored: dict[int, Entry] = {}
         missing: list[int] = []
+        other_metric: list[str] = []
         platform = ""
         for result in test.results:
             if result.world_size not in test.spec.nproc or result.predicted:
                 continue
             platform = result.platform
             entry = self.store.lookup(test.test_id, platform, result.world_size)
+            measured = _gated_method(result, test.spec.rank)
+            if entry is not None and metric(entry.method) != metric(measured):
+                other_metric.append(f"nproc={result.world_size} holds {entry.method!r}, this run measured "
+                                    f"{measured!r}")
+                entry = None
             if entry is None:
                 missing.append(result.world_size)
             else:
                 stored[result.world_size] = entry
         if not missing:
             return stored
+        if other_metric:  # never compared across metrics: the numbers mean different things
+            text = (f"baseline of {test.test_id} on {platform} in {self.store.file_for(test.test_id)} was "
+                    f"measured another way ({'; '.join(other_metric)}): not compared; record it again with "
+                    f"`gpumem refresh {test.test_id}` and commit the file")
+            mode = self.settings.fail_on_missing_baseline
+            if mode:
+                problems.append(text + " (fails when CI is set; gpumem_missing_baseline=warn to relax)")
+            else:
+                warnings.append(text)
+            if len(other_metric) == len(missing):
+                return stored
+            missing = [n for n in missing if not any(o.startswith(f"nproc={n} ") for o in other_metric)]
         elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
         if elsewhere:
             notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
@@ -115,13 +134,12 @@ class Gate:
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
             platform = result.platform
-            gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
                 rank=spec.rank,
                 device=result.device,
-                method=result.peaks[gated_rank].method,
+                method=_gated_method(result, spec.rank),
                 provenance=provenance,
             )
         return self.store.update(test.test_id, platform, entries) if entries else {}
@@ -131,6 +149,9 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     """The verdict, what differs from the baseline's provenance, when each rank peaked, the new
     nn.Graph boxing, and where the torch snapshots are."""
     lines = [verdict.render()]
+    driver = _driver_change(stored, test.provenance)
+    if driver:  # first: a new driver moves every GPU figure through the CUDA context
+        lines.insert(0, driver)
     if changed:
         lines.append("  changed since the baseline (declared config first):")
         lines.extend(f"    {line}" for line in changed)
@@ -146,8 +167,13 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     if audited is not None:
         size = audited.launch.nproc
         old, against = _boxing_reference(audited, test.runs, stored.get(size))
-        lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:")
-        lines.extend(f"    {line}" for line in boxing.explain(old, audited.boxings))
+        found = boxing.explain(old, audited.boxings)
+        if found:
+            lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:")
+            lines.extend(f"    {line}" for line in found)
+        else:
+            lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}: "
+                         "no new or grown conversions; the memory came from elsewhere")
     snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
                  if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
     if snapshots:
@@ -166,6 +192,34 @@ def _boxing_reference(audited: SizeRun, runs: list[SizeRun], entry: Entry | None
         return {}, "(no audited baseline to compare)"
     smallest = min(smaller, key=lambda r: r.launch.nproc)
     return boxing.summarize(smallest.boxings), f"against nproc={smallest.launch.nproc} (no audited baseline)"
+
+
+def _driver_change(stored: dict[int, Entry], provenance: dict[str, str]) -> str | None:
+    old = next((e.provenance for e in stored.values() if e.device == "gpu"), None)
+    if old is None:
+        return None
+    moved = [f"{key} {old[key]} -> {provenance.get(key, '(unknown)')}"
+             for key in ("nvidia_driver", "cuda_driver", "torch_cuda") if key in old and old[key] != provenance.get(key)]
+    if not moved:
+        return None
+    return (f"gpumem: the GPU software differs from the baseline's ({'; '.join(moved)}): the CUDA context, "
+            "part of every rank's figure, changes size with it. Compare the floor below; if the job's own "
+            "part did not move, refresh the baseline on this driver")
+
+
+def metric(method: str) -> str:
+    """What a figure measures: baselines are compared only within one metric."""
+    if is_allocation_method(method):
+        return "host live allocations"
+    if method.startswith(("high-water mark", "rss")):
+        return "host resident memory"
+    return "gpu memory"  # per-pid, accounting and device figures are all what nvidia-smi shows
+
+
+def _gated_method(result: SizeResult, rank: int | str) -> str:
+    label, _ = result.gated(rank)
+    peak = result.peaks.get(int(label.split()[1])) if label.split()[1].isdigit() else None
+    return peak.method if peak is not None else result.methods
 
 
 def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:

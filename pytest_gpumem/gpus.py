@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .leases import GpuLeases, LeaseError
-from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, foreign_processes, visible_gpus
+from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, driver_versions, foreign_processes, visible_gpus
 from .spec import Spec
 
 
@@ -21,6 +21,7 @@ class GpuPlan:
     skip_reason: str | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    provenance: dict[str, str] = field(default_factory=dict)  # driver versions, for the baseline
 
 
 class GpuPlanner:
@@ -73,4 +74,5 @@ class GpuPlanner:
             gpu_name=lease.devices[0].name,
             release=lease.release,
             notes=notes,
+            provenance=driver_versions(),
         )

@@ -163,7 +163,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     runner = Runner(
         cwd=Path.cwd(), rootdir=Path.cwd(), rank_pytest_args=_no_pytest,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
-        host_interval_s=interval,
+        host_interval_s=interval, floor=settings.floor, gpu_sampler=settings.gpu_sampler,
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

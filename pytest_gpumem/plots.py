@@ -12,6 +12,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .outputs import gated_method
+from .sampling.allocations import is_allocation_method
 from .spec import SpecError, parse_tolerance
 
 Record = Mapping[str, Any]
@@ -136,6 +138,16 @@ def _draw_predicted(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
     ax.legend(fontsize=7, loc="lower right", ncol=2)
 
 
+def _gated_label(size: Mapping[str, Any]) -> str:
+    """Why the gated line need not touch the curves: it is measured another way than they are."""
+    method = gated_method(size) or "method unknown"
+    if is_allocation_method(method):
+        why = "tracked in the rank; the curves are resident memory"
+    else:
+        why = "exact peak; the curves are samples and can miss it"
+    return f"gated peak {size['gated_mib']:.0f} ({method}: {why})"
+
+
 def _draw_size(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
     if size.get("predicted"):
         _draw_predicted(ax, record, size)
@@ -146,13 +158,14 @@ def _draw_size(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
         is_gated = gated is not None and gated.group(1) == rank
         # Ranks in blues and greens: red, orange and grey stay free for the limits.
         color = _rank_color(i, len(series))
-        ax.plot(xs, ys, label=f"rank {rank}" + (" (gated)" if is_gated else ""), color=color,
+        curve = "RSS, sampled" if size.get("device") == "cpu" else "sampled"
+        ax.plot(xs, ys, label=f"rank {rank} ({curve}" + (", gated)" if is_gated else ")"), color=color,
                 linewidth=1.8 if is_gated else 0.9, zorder=3 if is_gated else 2)
     if not series:
         ax.text(0.5, 0.5, "no samples recorded", transform=ax.transAxes, ha="center", va="center", color="0.4")
     if size.get("gated_mib") is not None:
         ax.axhline(size["gated_mib"], color="black", linewidth=0.6, alpha=0.6,
-                   label=f"gated peak {size['gated_mib']:.0f}")
+                   label=_gated_label(size))
     for mib, label, style in _limits(record, size):
         ax.axhline(mib, label=label, **style)
     ax.set_title(_size_title(record, size), fontsize=9, loc="left")

@@ -63,6 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+    _check_rootdir(config)
     try:  # an unwritable output is a usage error now, not a traceback after every launch ran
         resolved.make_output_folders()
     except settings_mod.SettingsError as exc:
@@ -75,6 +76,26 @@ def pytest_configure(config: pytest.Config) -> None:
         except plots.PlotsUnavailable as exc:
             raise pytest.UsageError(f"pytest-gpumem: --gpumem-plots: {exc}") from None
     config.pluginmanager.register(ParentSide(config, resolved), "gpumem-parent")
+
+
+def _check_rootdir(config: pytest.Config) -> None:
+    """Stop a run whose rootdir (and so whose baselines folder) came from one of our option values.
+
+    pytest picks the rootdir from the command line's paths before plugins declare their options,
+    so in ``--gpumem-plots /tmp/x`` the folder counts as a path: without an ini file the rootdir
+    moves to ``/tmp`` and baselines would be read from and written to ``/tmp/baselines``.
+    """
+    if config.inipath is not None or config.getoption("rootdir", None):
+        return
+    args = list(config.invocation_params.args)
+    flags = {o.flag for o in settings_mod.OPTIONS}
+    for flag, value in zip(args, args[1:]):
+        if flag in flags and Path(config.invocation_params.dir, value).exists():
+            raise pytest.UsageError(
+                f"pytest-gpumem: {flag} {value}: pytest took {value!r} for a test path when it chose the "
+                f"rootdir ({config.rootpath}), where the baselines folder is found. Write {flag}={value}, "
+                "or pass --rootdir, or give the project an ini file (pytest.ini, or [tool.pytest.ini_options] "
+                "in pyproject.toml)")
 
 
 @pytest.fixture
@@ -117,28 +138,49 @@ class GpumemItem(pytest.Item):
         return super().repr_failure(excinfo, style=style)
 
 
-def _spec_for(item: pytest.Item, defaults) -> Spec | None:
-    marker = item.get_closest_marker("gpumem")
-    if marker is None:
-        return None
-    try:
-        return parse_marker(marker.args, marker.kwargs, defaults)
-    except SpecError as exc:
-        raise pytest.Collector.CollectError(f"{item.nodeid}: invalid gpumem marker: {exc}") from None
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_pycollect_makeitem(collector, name, obj):
-    """Validate marker arguments as the test is collected, so a typo is a collection error."""
+    """Validate marker arguments as the test is collected, so a typo is a collection error.
+
+    Every bad marker of a module is named: they are gathered here and raised together when the
+    module's collection report is made.
+    """
     result = yield
     parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
     items = result if isinstance(result, list) else [result]
     for item in items:
-        if isinstance(item, pytest.Item) and parent is not None:
-            spec = _spec_for(item, parent.settings.defaults())
-            if spec is not None:
-                parent.specs[item.nodeid] = spec
+        if not isinstance(item, pytest.Item) or parent is None:
+            continue
+        marker = item.get_closest_marker("gpumem")
+        if marker is None:
+            continue
+        try:
+            parent.specs[item.nodeid] = parse_marker(marker.args, marker.kwargs, parent.settings.defaults())
+        except SpecError as exc:
+            parent.bad_markers.setdefault(collector.nodeid, []).append(
+                f"{item.nodeid}: invalid gpumem marker: {exc}")
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = yield
+    parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
+    bad = parent.bad_markers.pop(collector.nodeid, None) if parent is not None else None
+    if bad:
+        # The module's report fails, so pytest will not collect the classes in it: look inside them
+        # now, so that their bad markers are named in the same report.
+        for child in report.result or []:
+            if isinstance(child, pytest.Class):
+                try:
+                    child.collect()
+                except Exception:  # noqa: BLE001 - the class's own error surfaces once the markers are fixed
+                    pass
+                bad.extend(parent.bad_markers.pop(child.nodeid, []))
+        report.outcome = "failed"
+        report.longrepr = "\n".join(bad)
+        report.result = []
+    return report
 
 
 class ParentSide:
@@ -156,6 +198,7 @@ class ParentSide:
         self.config = config
         self.settings = resolved
         self.specs: dict[str, Spec] = {}
+        self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[dict[str, Any]] = []
         interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
         self.gate = Gate(resolved, BaselineStore(resolved.baselines))
@@ -167,6 +210,8 @@ class ParentSide:
             gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
             host_interval_s=interval,
             snapshot_dir=resolved.torch_snapshot,
+            floor=resolved.floor,
+            gpu_sampler=resolved.gpu_sampler,
         )
         self.capacity = Capacity(resolved.max_nproc, resolved.predict, lambda: len(visible_gpus()))
 

@@ -4,8 +4,9 @@
 
 Whatever launcher started it, the rank announces its pid (so the parent can sample it), sends
 its output to a per-rank log, arms a stack dump on SIGUSR1 (used before a hung launch is
-killed), runs the target, and at exit writes its exact peak resident set (the kernel's high-water mark) and
-the versions of the frameworks it imported.
+killed), tracks its own allocations (the gated host figure: the peak of live allocations), runs
+the target, and at exit writes that peak, its resident high-water mark (information) and the
+versions of the frameworks it imported.
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ from pathlib import Path
 from .baseline import host_provenance
 from .boxing import install_graph_hook, rank_provenance
 from .rendezvous import install_oneflow_gate
+from .sampling.allocations import METHOD as ALLOC_METHOD
+from .sampling.allocations import AllocationTracker
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
 BOXING_ENV = "GPUMEM_BOXING"  # "0" turns the OneFlow nn.Graph boxing audit off
+TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # "0": no allocation tracking; host figures fall back to VmHWM
+GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
+GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
 FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # "0": ranks end through the interpreter's full teardown
 
 
 def rank_file(workdir: Path, rank: int, kind: str) -> Path:
-    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peak), ``result`` (test
+    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peaks), ``memray`` (allocation capture), ``result`` (test
     outcome), ``config`` (declared settings), ``boxing`` (nn.Graph SBP conversions), ``snapshot``."""
     return workdir / f"rank-{rank}.{kind}"
 
@@ -112,11 +118,37 @@ def peak_rss_kib() -> float:
     return maxrss / 1024 if sys.platform == "darwin" else float(maxrss)  # bytes on macOS
 
 
-def _report_exit(workdir: Path, rank: int) -> None:
-    maxrss_kib = peak_rss_kib()
+def _start_gpu_sampler():
+    """This rank's own GPU figure, sampled by a thread in the rank (for launches whose ranks the
+    parent cannot see, e.g. on other nodes): NVML's per-process figure for our PID, same methods."""
+    from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
+
+    gpus = visible_gpus()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not gpus:
+        return None
+    sampler = NvmlSampler([gpus[local % len(gpus)]],
+                          float(os.environ.get(GPU_INTERVAL_ENV, "0") or 0) or DEFAULT_INTERVAL_S)
+    sampler.add_process(0, os.getpid())
+    sampler.start()
+    return sampler
+
+
+def _gpu_report(sampler) -> dict:
+    if sampler is None:
+        return {}
+    sampler.stop()
+    peak = sampler.peaks()[0]
+    return {"gpu_peak_mib": peak.mib, "gpu_method": f"{peak.method}, in the rank",
+            "gpu_problems": list(sampler.problems)}
+
+
+def _report_exit(workdir: Path, rank: int, tracker: AllocationTracker, gpu_sampler) -> None:
+    alloc_mib = tracker.stop()
     write_json_atomic(
         rank_file(workdir, rank, "exit"),
-        {"pid": os.getpid(), "maxrss_kib": maxrss_kib,
+        {"pid": os.getpid(), "maxrss_kib": peak_rss_kib(), **_gpu_report(gpu_sampler),
+         "alloc_peak_mib": alloc_mib, "alloc_method": ALLOC_METHOD, "alloc_problem": tracker.problem,
          "provenance": {**host_provenance(os.environ), **framework_versions(),
                         **rank_provenance(rank_file(workdir, rank, "boxing"))}},
     )
@@ -184,8 +216,12 @@ def main(argv: list[str]) -> None:
     install_oneflow_gate()  # costs nothing until oneflow is imported
     if os.environ.get(BOXING_ENV, "1") != "0":  # costs nothing until oneflow is imported
         install_graph_hook(rank_file(workdir, rank, "boxing"))
+    tracker = AllocationTracker(rank_file(workdir, rank, "memray"))
+    if os.environ.get(TRACK_ENV, "1") != "0":
+        tracker.start()  # before the target imports anything: the frameworks' own allocations count
+    gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
     write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
-    atexit.register(_report_exit, workdir, rank)
+    atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler)  # runs last: after the frameworks' shutdown
 
     if mode == "pytest":
         sys.argv = ["pytest", target, *args]

@@ -26,6 +26,11 @@ def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mappi
             "ranks": {str(r): p.mib for r, p in sorted(result.peaks.items())},
             "methods": {str(r): p.method for r, p in sorted(result.peaks.items())},
             "host_ranks": {str(r): p.mib for r, p in sorted(result.host_peaks.items())},
+            "floor": None if result.floor is None else {
+                "framework": result.floor.framework,
+                "what": result.floor.describe(result.device, result.world_size),
+                "ranks": {str(r): round(mib, 1) for r, mib in sorted(result.floor.ranks.items())}},
+            "rss_ranks": {str(r): round(mib, 1) for r, mib in sorted(result.rss_peaks.items())},
             "peak_at_s": {str(r): round(t, 3) for r, t in sorted(peak_times(result).items())},
             "imbalance": imbalance(result),
             "duration_s": round(result.duration_s, 3),

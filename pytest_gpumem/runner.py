@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -19,11 +18,13 @@ from .boxing import read_records
 from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from .rank import SNAPSHOT_ENV, rank_file
+from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV, rank_file
 from .sampling import Peak
 from .sampling.host import HostSampler
 from .spec import Spec
-from .verdict import SizeResult
+from .floor import FRAMEWORKS
+from .verdict import FloorResult, SizeResult
+from .workdirs import make_workdir, sweep_orphans
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Runner:
         host_interval_s: float | None = None,
         keep_workdirs: bool = False,
         snapshot_dir: Path | None = None,
+        floor: str = "auto",
+        gpu_sampler: str = "parent",
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -97,9 +100,15 @@ class Runner:
         self.keep_workdirs = keep_workdirs
         self.snapshot_dir = snapshot_dir
         self._references: dict[tuple, SizeRun] = {}
+        self._swept = False
+        self.floor = floor
+        self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
+        self._floors: dict[tuple, tuple[str, SizeResult] | None] = {}
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
+        if test.skip_reason is None and not test.problems:
+            self._add_floors(test)
         for run in reversed(test.runs):
             if run.provenance:
                 test.provenance = dict(run.provenance)
@@ -135,6 +144,30 @@ class Runner:
                 return test  # a broken launch says more than any memory figure
         return test
 
+    def _add_floors(self, test: TestRun) -> None:
+        """Measure (once per framework, launcher, device, env and size) what an empty job costs."""
+        for run in test.runs:
+            result = run.result
+            if not (self.floor == "on" or (self.floor == "auto" and result.device == "gpu")):
+                continue
+            framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
+            if framework is None:
+                continue
+            probe = replace(test.spec, script=None, module="pytest_gpumem.floor",
+                            args=(framework, result.device), device=result.device, nproc=(result.world_size,))
+            key = (framework, probe.launch_key(), result.world_size)
+            if key not in self._floors:
+                plan = self.gpu_setup(probe, result.world_size, f"{test.test_id} (floor)")
+                floor_run = self._launch(test.test_id, probe, result.world_size, plan)
+                self._floors[key] = None if floor_run.problems else (framework, floor_run.result)
+            found = self._floors[key]
+            if found is None:
+                run.notes.append(f"the {framework} floor at nproc={result.world_size} could not be measured")
+                continue
+            framework, measured = found
+            run.result = replace(result, floor=FloorResult(
+                framework, {r: p.mib for r, p in measured.peaks.items() if p.mib is not None}))
+
     def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
         if spec.script is not None:
             script = Path(spec.script)
@@ -149,7 +182,10 @@ class Runner:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
+        if not self._swept:  # once per session, at the first launch: nothing paid when unused
+            self._swept = True
+            sweep_orphans()
+        workdir = make_workdir()  # private: mode 0700
         try:  # the folder goes whatever happens, Ctrl-C included
             return self._launch_in(test_id, spec, nproc, plan, workdir)
         finally:
@@ -165,6 +201,9 @@ class Runner:
                 sampler.add_process(rank, pid)
 
         snapshot_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}
+        if plan.sampler is not None and self.gpu_sampler == "rank":
+            snapshot_env[GPU_IN_RANK_ENV] = "1"
+            snapshot_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
@@ -183,7 +222,7 @@ class Runner:
                 sampler.stop()
             plan.release()
         run = self._read(spec, nproc, workdir, launch, host, plan)
-        run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
 
@@ -206,6 +245,8 @@ class Runner:
               host: HostSampler, plan: GpuPlan) -> SizeRun:
         gpu = plan.sampler
         provenance: dict[str, str] = {}
+        notes: list[str] = []
+        in_rank_gpu: dict[int, tuple[float | None, str]] = {}
         exited: set[int] = set()
         for rank in range(nproc):
             try:
@@ -213,7 +254,13 @@ class Runner:
             except (OSError, ValueError):
                 continue
             exited.add(rank)
-            host.report_exit_peak(rank, float(data["maxrss_kib"]))
+            host.report_exit(rank, data.get("maxrss_kib"), data.get("alloc_peak_mib"),
+                             str(data.get("alloc_method", "")))
+            if "gpu_method" in data:
+                in_rank_gpu[rank] = (data.get("gpu_peak_mib"), str(data["gpu_method"]))
+                notes.extend(f"rank {rank} GPU sampler: {p}" for p in data.get("gpu_problems", []))
+            if data.get("alloc_problem"):
+                notes.append(f"rank {rank}: {data['alloc_problem']}; its host figure is resident memory")
             if rank == 0:
                 provenance = dict(data.get("provenance", {}))
         try:  # settings the test declared through the gpumem_config fixture
@@ -223,10 +270,14 @@ class Runner:
             pass
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
+        if self.gpu_sampler == "rank" and gpu is not None:  # each rank's own figure, from its report
+            gpu_peaks = {rank: Peak(mib, method) for rank, (mib, method) in in_rank_gpu.items()}
         use_gpu = spec.device == "gpu" or (
             spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
         )
         peaks = gpu_peaks if use_gpu else host_peaks
+        if use_gpu:
+            provenance.update(plan.provenance)
         timeline = (gpu if use_gpu else host).timeline()
         result = SizeResult(
             world_size=nproc,
@@ -234,11 +285,12 @@ class Runner:
             platform=platform_key("gpu", plan.gpu_name) if use_gpu else platform_key("cpu"),
             peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
             host_peaks=host_peaks,
+            rss_peaks=host.rss_peaks(),
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
         )
         outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
-        run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance,
+        run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                       gpu_problems=list(getattr(gpu, "problems", []) or []),
                       boxings=[b for rec in read_records(rank_file(workdir, 0, "boxing"))
                                for b in rec.get("boxings", [])])

@@ -111,6 +111,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("interval_ms", "--gpumem-interval-ms", "GPUMEM_INTERVAL_MS", "gpumem_interval_ms",
            _positive_float, "0", "a number of milliseconds > 0 (0: each sampler's default)",
            "sampling period; host peaks come from the kernel's high-water mark whatever the period"),
+    Option("floor", "--gpumem-floor", "GPUMEM_FLOOR", "gpumem_floor",
+           _choice(("auto", "on", "off")), "auto", "one of auto, on, off",
+           "measure an empty job of the same framework at each size and show floor and job apart "
+           "(auto: for GPU figures, where the CUDA context and communicator are the floor)"),
+    Option("gpu_sampler", "--gpumem-gpu-sampler", "GPUMEM_GPU_SAMPLER", "gpumem_gpu_sampler",
+           _choice(("parent", "rank")), "parent", "one of parent, rank",
+           "who samples NVML for GPU figures: the parent pytest (by the ranks' PIDs) or a thread in each rank"),
     Option("baselines", "--gpumem-baselines", "GPUMEM_BASELINES", "gpumem_baselines",
            str, "baselines", "a folder path, relative to the rootdir",
            "folder of the stored baselines"),
@@ -162,6 +169,8 @@ class Settings:
     tolerance: Tolerance
     device: str
     interval_ms: float
+    floor: str
+    gpu_sampler: str
     baselines: Path
     missing_baseline: str
     lease_dir: Path | None

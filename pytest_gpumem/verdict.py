@@ -15,6 +15,20 @@ from .spec import Spec, Tolerance
 
 
 @dataclass(frozen=True)
+class FloorResult:
+    """What an empty job of the same framework costs per rank at this size (``pytest_gpumem.floor``)."""
+
+    framework: str
+    ranks: Mapping[int, float]
+
+    def describe(self, device: str, world_size: int) -> str:
+        parts = ["CUDA context + " if device == "gpu" else ""] + [f"{self.framework} start-up"]
+        if world_size > 1:
+            parts.append(" + communicator")
+        return "".join(parts)
+
+
+@dataclass(frozen=True)
 class SizeResult:
     """Every rank's peak at one world size, in the memory that is gated (gpu or cpu)."""
 
@@ -23,6 +37,8 @@ class SizeResult:
     peaks: Mapping[int, Peak]
     platform: str = ""
     host_peaks: Mapping[int, Peak] = field(default_factory=dict)
+    rss_peaks: Mapping[int, float] = field(default_factory=dict)  # VmHWM, information only
+    floor: FloorResult | None = None
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     duration_s: float = 0.0
     reused: bool = False
@@ -150,6 +166,16 @@ class Verdict:
                 f"  nproc={result.world_size} {result.device} MiB per rank {{{ranks}}} "
                 f"[{result.methods}]{reused}"
             )
+            if result.floor is not None:
+                floor = result.floor
+                split = ", ".join(
+                    f"{r}: {floor.ranks[r]:.1f} + {p.mib - floor.ranks[r]:.1f}"
+                    for r, p in sorted(result.peaks.items()) if p.mib is not None and r in floor.ranks)
+                lines.append(f"    floor + job's own MiB per rank {{{split}}} "
+                             f"(floor: an empty job, {floor.describe(result.device, result.world_size)})")
+            if result.device == "cpu" and result.rss_peaks:
+                rss = ", ".join(f"{r}: {mib:.1f}" for r, mib in sorted(result.rss_peaks.items()))
+                lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

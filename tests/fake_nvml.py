@@ -137,6 +137,19 @@ class FakeNvml:
         self._check()
         self.init_count -= 1
 
+    driver_version = "580.159.04"
+    cuda_driver_version = 13000
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check()
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._check()
+        if "nvmlSystemGetCudaDriverVersion" in self.missing:
+            raise NVMLError_FunctionNotFound()
+        return self.cuda_driver_version
+
     def nvmlDeviceGetCount(self) -> int:
         self._check()
         return len(self.gpus)

@@ -17,7 +17,7 @@ import pytest
 @pytest.mark.gpumem(nproc=2, tolerance="10%")
 def test_job():
     extra = int(open(os.environ["EXTRA_FILE"]).read())
-    buf = bytearray(extra * 1024 * 1024)   # touched: counts in the resident set
+    buf = bytearray(extra * 1024 * 1024)   # a live allocation while the test runs
 '''
 
 
@@ -32,6 +32,27 @@ def job(pytester, monkeypatch, tmp_path):
 
 def run(pytester, *args):
     return pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-W", "always", *args)
+
+
+def test_a_baseline_of_another_metric_is_never_compared(pytester, job, monkeypatch, launch_tag):
+    """An entry recorded as resident memory (RSS, before 0.2) next to a live-allocation figure:
+    not compared; a warning locally, a failure in CI, both saying to refresh."""
+    from pytest_gpumem.baseline import BaselineStore, Entry, platform_key
+
+    store = BaselineStore(pytester.path / "baselines")
+    store.update("test_job.py::test_job", platform_key("cpu"),
+                 {2: Entry(1.0, {0: 1.0, 1: 1.0}, 0, "cpu", "high-water mark", {"date": "2026-01-01"})})
+    before = store.file_for("test_job.py::test_job").read_bytes()
+    local = run(pytester)
+    local.assert_outcomes(passed=1, warnings=1)  # 1.0 MiB would have failed any comparison
+    local.stdout.fnmatch_lines(["*baseline of test_job.py::test_job on cpu:* was measured another way "
+                                "(nproc=2 holds 'high-water mark', this run measured 'live allocations (memray)')"
+                                ": not compared; record it again with `gpumem refresh test_job.py::test_job`*"])
+    monkeypatch.setenv("CI", "true")
+    ci = run(pytester)
+    ci.assert_outcomes(failed=1)
+    ci.stdout.fnmatch_lines(["*was measured another way*fails when CI is set*"])
+    assert store.file_for("test_job.py::test_job").read_bytes() == before
 
 
 def test_lifecycle(pytester, job, monkeypatch, launch_tag):
@@ -51,7 +72,7 @@ def test_lifecycle(pytester, job, monkeypatch, launch_tag):
     first.stdout.fnmatch_lines(["*baselines refreshed*", "test_job.py::test_job nproc=2: (new) -> * MiB"])
     doc = json.loads(stored.read_text())
     entry = next(iter(doc["tests"]["test_job"].values()))["2"]
-    assert set(entry["ranks"]) == {"0", "1"} and entry["method"] == "high-water mark"
+    assert set(entry["ranks"]) == {"0", "1"} and entry["method"] == "live allocations (memray)"
 
     # same: passes against it
     run(pytester).assert_outcomes(passed=1)

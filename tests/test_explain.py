@@ -62,3 +62,29 @@ def test_gpt2(gpumem_config):
     ])
     stored = (pytester.path / "baselines" / "test_failure_report_names_the_changed_flag_first.py.json").read_text()
     assert '"config.activation_checkpoint": "True"' in stored and '"config.micro_batch": "4"' in stored
+
+
+def _gpu_test_run(provenance):
+    from pytest_gpumem.runner import TestRun
+    from pytest_gpumem.spec import Defaults, parse_marker
+
+    spec = parse_marker((), {"nproc": 1, "max_mib": 100}, Defaults())
+    test = TestRun("t.py::test_gpu", spec, provenance=dict(provenance))
+    return test
+
+
+def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
+    from pytest_gpumem.baseline import Entry
+    from pytest_gpumem.gate import explain_failure
+    from pytest_gpumem.verdict import judge
+
+    result = SizeResult(world_size=1, device="gpu", peaks={0: Peak(900.0, "per-pid sampled")})
+    test = _gpu_test_run({"nvidia_driver": "580.159.04", "torch_cuda": "12.8"})
+    verdict = judge(test.spec, [result])
+    stored = {1: Entry(800.0, {0: 800.0}, 0, "gpu", "per-pid sampled",
+                       {"nvidia_driver": "550.54.15", "torch_cuda": "12.8"})}
+    text = explain_failure(test, verdict, [], stored)
+    assert text.splitlines()[0].startswith(
+        "gpumem: the GPU software differs from the baseline's (nvidia_driver 550.54.15 -> 580.159.04)")
+    same = {1: Entry(800.0, {0: 800.0}, 0, "gpu", "per-pid sampled", dict(test.provenance))}
+    assert "GPU software differs" not in explain_failure(test, verdict, [], same)

@@ -107,7 +107,7 @@ def seed_baseline(pytester: pytest.Pytester, test: str, mib: float = 1234.5) -> 
     """A stored baseline for ``test`` at nproc=2: a failed launch must leave it as it is."""
     store = BaselineStore(pytester.path / "baselines")
     ranks = {0: mib, 1: mib}
-    store.update(test, platform_key("cpu"), {2: Entry(mib, ranks, 0, "cpu", "high-water mark", {"date": "2026-01-01"})})
+    store.update(test, platform_key("cpu"), {2: Entry(mib, ranks, 0, "cpu", "live allocations (memray)", {"date": "2026-01-01"})})
     file = store.file_for(test)
     return file, file.read_bytes()
 
@@ -343,9 +343,10 @@ def test_terminated():
 
 
 @pytest.mark.parametrize("launcher", ["direct", pytest.param("torchrun", marks=TORCH)])
-def test_pytest_killed_mid_launch_takes_its_ranks_along(pytester, launch_tag, launcher):
+def test_pytest_killed_mid_launch_takes_its_ranks_along(pytester, launch_tag, launcher, private_tmp):
     """SIGKILL leaves pytest no cleanup at all: each rank dies with its parent (PR_SET_PDEATHSIG);
-    under torchrun the launcher dies with pytest and the ranks with the launcher."""
+    under torchrun the launcher dies with pytest and the ranks with the launcher. The launch's
+    folder is left behind, and the next session's first launch sweeps it."""
     pytester.makepyfile(test_killed=HELPERS + f'''
 
 @pytest.mark.gpumem(nproc=2, timeout=60, launcher="{launcher}")
@@ -360,6 +361,11 @@ def test_killed():
     while processes_tagged(launch_tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_tagged(launch_tag) == []
+    assert [p.name for p in private_tmp.glob("gpumem-*")], "SIGKILL left the folder (nothing could remove it)"
+
+    pytester.makepyfile(test_killed="import pytest\n\n@pytest.mark.gpumem(nproc=1)\ndef test_next():\n    pass\n")
+    run_subprocess(pytester).assert_outcomes(passed=1)
+    assert [p.name for p in private_tmp.glob("gpumem-*")] == [], "the next session sweeps the orphan"
 
 
 def test_ctrl_c_mid_launch_leaves_no_temporary_folder(pytester, launch_tag, private_tmp):
@@ -635,6 +641,8 @@ BAD_VALUES = {
     "allow_mib": "-5",
     "tolerance": "12 parsecs",
     "device": "tpu",
+    "floor": "sometimes",
+    "gpu_sampler": "both",
     "interval_ms": "fast",
     "missing_baseline": "maybe",
     "lease_wait": "0",

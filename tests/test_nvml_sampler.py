@@ -381,3 +381,20 @@ def test_steady_gpu_does_not_pay_for_a_process_list_every_tick():
     lists = [c for c in fake.calls if "RunningProcesses" in c and "MPS" not in c]
     assert 2 <= len(lists) <= 4, lists  # 60 ticks over ~120 ms of clock
     assert sampler.peaks()[0] == Peak(600.0, "per-pid sampled")
+
+
+def test_driver_versions_go_to_provenance():
+    """The CUDA context's size moves with the driver: its version travels with every GPU figure."""
+    from pytest_gpumem.sampling.nvml import driver_versions
+
+    nvml = FakeNvml([FakeGpu(0)])
+    assert driver_versions(nvml) == {"nvidia_driver": "580.159.04", "cuda_driver": "13.0"}
+    assert nvml.init_count == 0, "NVML shut down again"
+
+
+def test_driver_without_cuda_version_call_still_names_the_driver():
+    from pytest_gpumem.sampling.nvml import driver_versions
+
+    nvml = FakeNvml([FakeGpu(0)], missing=("nvmlSystemGetCudaDriverVersion",))
+    assert driver_versions(nvml) == {"nvidia_driver": "580.159.04"}
+    assert driver_versions(FakeNvml([], driver=False)) == {}

@@ -162,3 +162,37 @@ def test_train_net():
     result.assert_outcomes(passed=1)
     assert sorted(out.read_text().splitlines()) == [
         "0/1 --config-file gpt2.py", "0/2 --config-file gpt2.py", "1/2 --config-file gpt2.py"]
+
+
+def test_floor_shows_what_is_not_the_job_own(pytester, launch_tag):
+    """An empty torch job at each size (start-up, and the gloo communicator at N > 1), launched once
+    and reused, is shown apart from the job: the inflating part is all in the job's own share."""
+    import json
+
+    pytester.makepyfile(DDP + '''
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
+def test_inflating():
+    step(True)
+
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
+def test_healthy():
+    step(False)
+''')
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=on",
+                                f"--gpumem-report={report}")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*floor + job's own MiB per rank {0: * + *} (floor: an empty job, torch start-up)*",
+        "*floor + job's own MiB per rank {0: * + *, 1: * + *} (floor: an empty job, torch start-up + communicator)*",
+    ])
+    tests = {t["test"].split("::")[1]: t for t in json.loads(report.read_text())["tests"]}
+    for name in ("test_healthy", "test_inflating"):
+        for size in tests[name]["sizes"]:
+            floor = size["floor"]["ranks"]["0"]
+            assert 0 < floor < size["gated_mib"], (name, size["nproc"], floor, size["gated_mib"])
+    # one floor per size for both tests: the same empty job, measured once
+    floors = {(t, s["nproc"]): s["floor"]["ranks"]["0"] for t in tests for s in tests[t]["sizes"]}
+    assert floors[("test_healthy", 2)] == floors[("test_inflating", 2)]
+    inflating = {s["nproc"]: s["gated_mib"] - s["floor"]["ranks"]["0"] for s in tests["test_inflating"]["sizes"]}
+    assert inflating[2] - inflating[1] > 100, inflating  # the 150 MiB gathered is the job's own

@@ -1,9 +1,10 @@
-"""Host memory of each rank: the kernel's high-water mark of resident memory.
+"""Host memory of each rank, from the parent: resident memory, kept as information and fallback.
 
-Linux keeps ``VmHWM`` per process, so the peak is exact however rarely we look; the sampler
-only has to read it before the process is gone. The rank reports ``ru_maxrss`` itself when it
-exits normally (exact to the last page); the sampled value covers ranks that crash.
-Elsewhere we fall back to sampling the resident set with psutil.
+The gated host figure is the peak of live allocations, which each rank tracks itself and reports
+at exit (``sampling.allocations``). From outside, the parent samples the resident set for the
+timeline and reads the kernel's high-water mark (``VmHWM``, exact however rarely we look) so
+that RSS stays visible, and so that a rank that died before reporting still has a figure, named
+as what it is.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class HostSampler:
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
         self._peak_kib: dict[int, float] = {}
-        self._self_reported_kib: dict[int, float] = {}
+        self._reported_hwm_kib: dict[int, float] = {}
+        self._reported_alloc: dict[int, tuple[float, str]] = {}
         self._timeline: list[tuple[float, dict[int, float]]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,9 +65,12 @@ class HostSampler:
             self._pids[pid] = rank
         self._sample_one(pid, rank)
 
-    def report_exit_peak(self, rank: int, kib: float) -> None:
-        """The rank's own ``ru_maxrss`` at exit: exact, including growth after the last sample."""
-        self._self_reported_kib[rank] = kib
+    def report_exit(self, rank: int, hwm_kib: float | None, alloc_mib: float | None, method: str) -> None:
+        """What the rank said of itself at exit: its allocation peak and its own ``VmHWM``."""
+        if hwm_kib is not None:
+            self._reported_hwm_kib[rank] = hwm_kib
+        if alloc_mib is not None:
+            self._reported_alloc[rank] = (alloc_mib, method)
 
     def stop(self) -> None:
         self._stop.set()
@@ -74,21 +79,30 @@ class HostSampler:
         self._tick()
 
     def peaks(self) -> dict[int, Peak]:
+        """The gated host figure: each rank's allocation peak; resident memory only where it has none."""
         peaks: dict[int, Peak] = {}
-        ranks = set(self._pids.values()) | set(self._self_reported_kib)
-        for rank in ranks:
-            sampled = self._peak_kib.get(rank)
-            reported = self._self_reported_kib.get(rank)
-            if reported is not None:
-                kib, method = max(reported, sampled or 0.0), "high-water mark"
-            elif sampled is not None:
-                method = "high-water mark (sampled)" if self._proc else "rss sampled"
-                kib = sampled
-            else:
-                peaks[rank] = Peak(None, "not available")
+        for rank in self._ranks():
+            if rank in self._reported_alloc:
+                mib, method = self._reported_alloc[rank]
+                peaks[rank] = Peak(mib, method)
                 continue
-            peaks[rank] = Peak(kib * 1024 / MiB, method)
+            rss = self.rss_peaks().get(rank)
+            kind = "high-water mark" if self._proc else "rss sampled"
+            peaks[rank] = (Peak(rss, f"{kind} (no allocation peak reported)") if rss is not None
+                           else Peak(None, "not available"))
         return peaks
+
+    def rss_peaks(self) -> dict[int, float]:
+        """Each rank's resident high-water mark in MiB (information: it follows the page cache)."""
+        out: dict[int, float] = {}
+        for rank in self._ranks():
+            kib = max(self._reported_hwm_kib.get(rank, 0.0), self._peak_kib.get(rank, 0.0))
+            if kib > 0:
+                out[rank] = kib * 1024 / MiB
+        return out
+
+    def _ranks(self) -> set[int]:
+        return set(self._pids.values()) | set(self._reported_hwm_kib) | set(self._reported_alloc)
 
     def timeline(self) -> list[tuple[float, dict[int, float]]]:
         return list(self._timeline)

@@ -9,6 +9,7 @@ falls back to device ``used`` minus idle. Without a driver everything degrades t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -208,6 +209,24 @@ def visible_gpus(env: Mapping[str, str] | None = None, nvml: Any = None) -> list
     finally:
         _shutdown(nvml)
     return select_visible(gpus, (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
+
+
+def driver_versions(nvml: Any = None) -> dict[str, str]:
+    """The NVIDIA driver and the CUDA version it supports: the CUDA context's size moves with them."""
+    nvml = _pynvml if nvml is None else nvml
+    if nvml is None or not _init(nvml):
+        return {}
+    found: dict[str, str] = {}
+    try:
+        with contextlib.suppress(*_nvml_errors(nvml), *_symbol_missing(nvml)):
+            version = nvml.nvmlSystemGetDriverVersion()
+            found["nvidia_driver"] = version.decode() if isinstance(version, bytes) else str(version)
+        with contextlib.suppress(*_nvml_errors(nvml), *_symbol_missing(nvml)):
+            cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
+            found["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+    finally:
+        _shutdown(nvml)
+    return found
 
 
 def foreign_processes(device: GpuDevice, nvml: Any = None) -> list[int]:
