@@ -127,6 +127,10 @@ def _draw_predicted(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
         ys = [sum(c * term(x) for c, term in zip(fit.get("coefficients", []), model.terms)) for x in xs]
         ax.plot(xs, ys, color="tab:blue", linestyle="--", linewidth=1.0, label=f"fit: {fit.get('formula')}")
     ax.plot([n for n, _ in points], [v for _, v in points], "o", color="tab:blue", label="measured")
+    left_out = sorted((int(n), float(v)) for n, v in (fit.get("left_out") or {}).items())
+    if left_out:
+        ax.plot([n for n, _ in left_out], [v for _, v in left_out], "x", color="0.4", markersize=8,
+                label="measured, left out of the fit (off the trend)")
     ax.plot([target], [size["gated_mib"]], "D", color="tab:purple", markersize=8,
             label=f"predicted {size['gated_mib']:.0f}")
     for mib, label, style in _limits(record, size):

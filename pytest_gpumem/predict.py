@@ -19,16 +19,22 @@ one by more than :data:`TIE` to be preferred. A model is eligible only where LOO
 the straight line through them (``linear``), reported without a LOO error; the issue's rule:
 never more than a linear model from two points.
 
+One process is often another regime (no communicator, no collective): when every model misses by
+more than :data:`REGIME_GAP` with nproc=1 in, at least two larger sizes were launched and nproc=1
+lies below their trend, the larger sizes alone are fitted, and nproc=1 is reported as left out
+(see :func:`fit`).
+
 Plain Python (no numpy): the systems are at most 3 x 3.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 TIE = 0.005  # 0.5 percentage points of LOO error: below that, the simpler model is as good
+REGIME_GAP = 0.05  # a fit over every size that misses a held-out one by more: is nproc=1 another regime?
 
 
 class PredictError(ValueError):
@@ -83,6 +89,8 @@ class Fit:
     points: tuple[tuple[int, float], ...]  # (world size, MiB), sizes ascending
     loo_error: float | None  # worst relative miss on a held-out point; None from two points
     candidates: tuple[Candidate, ...] = ()
+    left_out: tuple[tuple[int, float], ...] = ()  # nproc=1 when it is off the larger sizes' trend
+    loo_error_with_left_out: float | None = None  # the best fit's LOO error with them kept
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -96,7 +104,12 @@ class Fit:
         sizes = ",".join(map(str, self.sizes))
         error = ("LOO error n/a: two sizes" if self.loo_error is None
                  else f"LOO error {self.loo_error * 100:.1f}%")
-        return f"{self.model.formula} from nproc {sizes}; {error}"
+        text = f"{self.model.formula} from nproc {sizes}; {error}"
+        if self.left_out:
+            kept = self.loo_error_with_left_out or 0.0
+            text += (f"; nproc {','.join(str(n) for n, _ in self.left_out)} left out: off the larger "
+                     f"sizes' trend (LOO error {kept * 100:.1f}% with it)")
+        return text
 
     def as_dict(self) -> dict:
         return {
@@ -107,6 +120,9 @@ class Fit:
             "loo_error": None if self.loo_error is None else round(self.loo_error, 6),
             "candidates": {c.model.name: (None if c.loo_error is None else round(c.loo_error, 6))
                            for c in self.candidates},
+            "left_out": {str(n): round(v, 3) for n, v in self.left_out},
+            "loo_error_with_left_out": (None if self.loo_error_with_left_out is None
+                                        else round(self.loo_error_with_left_out, 6)),
         }
 
 
@@ -193,8 +209,30 @@ def _checked(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ..
 
 
 def fit(points: Iterable[tuple[int, float]], models: Sequence[Model] = MODELS) -> Fit:
-    """Choose and fit a model of peak MiB versus world size (see the module docstring)."""
+    """Choose and fit a model of peak MiB versus world size (see the module docstring).
+
+    One process is often another program: no communicator, no collective, no distributed start-up
+    (OneFlow's multi-rank runtime, NCCL's buffers), so it uses *less* than the larger sizes' trend
+    says. When the best model over every size misses a held-out size by more than
+    :data:`REGIME_GAP`, at least two sizes above 1 were launched, and nproc=1 lies below what the
+    fit over those larger sizes gives at 1, that fit is used instead if it predicts its own
+    held-out sizes better (or cannot be judged: two sizes); nproc=1 is then reported as left out,
+    with the error it caused. An nproc=1 *above* the trend is kept: that is what sharded state
+    (``a + b/N``) looks like.
+    """
     pts = _checked(points)
+    chosen = _fit(pts, models)
+    above = tuple(p for p in pts if p[0] > 1)
+    if len(above) < 2 or len(above) == len(pts) or chosen.loo_error is None or chosen.loo_error <= REGIME_GAP:
+        return chosen
+    regime = _fit(above, models)
+    one = pts[0][1]
+    if regime.at(1) <= one or (regime.loo_error is not None and regime.loo_error >= chosen.loo_error):
+        return chosen  # nproc=1 above the trend is no missing communicator: sharded state looks so
+    return replace(regime, left_out=tuple(p for p in pts if p[0] == 1), loo_error_with_left_out=chosen.loo_error)
+
+
+def _fit(pts: tuple[tuple[int, float], ...], models: Sequence[Model]) -> Fit:
     if len(pts) == 2:  # nothing can be judged: the line through both, and no more than that
         coefficients = least_squares(LINEAR, pts)
         assert coefficients is not None  # two distinct sizes determine a line

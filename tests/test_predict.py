@@ -72,6 +72,32 @@ def test_two_points_give_the_line_through_them_and_no_more():
     assert fit([(1, 2000.0), (2, 1500.0)]).model is LINEAR
 
 
+def test_one_process_off_the_trend_is_left_out_when_the_larger_sizes_say_so():
+    # OneFlow eager with the batch broadcast (live allocations, MiB): a ~22 MiB step from 1 to 2
+    # processes (the multi-rank runtime), then +32 MiB per rank. Measured at 8: 406.7.
+    step = [(1, 149.5), (2, 215.8), (4, 278.9)]
+    chosen = fit(step)
+    assert chosen.sizes == (2, 4) and chosen.left_out == ((1, 149.5),) and chosen.model is LINEAR
+    assert chosen.at(8) == pytest.approx(405.1, abs=0.1)
+    assert chosen.loo_error is None and chosen.loo_error_with_left_out == pytest.approx(0.249, abs=0.001)
+    assert chosen.describe() == ("a + b*N from nproc 2,4; LOO error n/a: two sizes; nproc 1 left out: "
+                                 "off the larger sizes' trend (LOO error 24.9% with it)")
+    assert chosen.as_dict()["left_out"] == {"1": 149.5}
+    # With three sizes above 1 the regime fit is judged by LOO too.
+    more = fit(step + [(8, 406.7)])
+    assert more.sizes == (2, 4, 8) and more.model is LINEAR and more.loo_error < 0.01
+
+
+def test_one_process_stays_when_every_size_follows_one_model():
+    sharded = [(n, 1000.0 + 4096.0 / n) for n in (1, 2, 4)]  # the line through 2, 4 would say 1512 at 8
+    assert fit(sharded).left_out == () and fit(sharded).at(8) == pytest.approx(1512.0)
+    ddp = [(1, 205.2), (2, 206.3), (4, 205.9)]  # torch DDP: flat within 0.5%, nproc=1 included
+    assert fit(ddp).sizes == (1, 2, 4) and fit(ddp).model is FLAT
+    assert fit([(1, 117.5), (2, 139.7)]).left_out == ()  # one size above 1: nothing to tell a step by
+    u_shape = [(n, 1000.0 + 64.0 * n + 2048.0 / n) for n in (1, 2, 4)]  # nproc=1 above the 2-4 line
+    assert fit(u_shape).left_out == () and fit(u_shape).sizes == (1, 2, 4)
+
+
 def test_identical_points_and_zeros_are_flat_without_dividing_by_zero():
     assert fit([(1, 700.0), (2, 700.0), (4, 700.0)]).model is FLAT
     zero = fit([(1, 0.0), (2, 0.0), (4, 0.0), (8, 0.0)])
