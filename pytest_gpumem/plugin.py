@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,8 +20,14 @@ from . import settings as settings_mod
 from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, rank_file, start_torch_history, write_json_atomic
 from .spec import Spec, SpecError, parse_marker
 
-# Every rank loads this plugin too and needs only RankSide: the parent's machinery (runner, gate,
-# NVML, baselines, outputs) is imported where the parent uses it. Measured: ~60 ms less per rank.
+if TYPE_CHECKING:
+    from .gate import Gate
+    from .runner import Runner
+
+# Nothing paid when unused: every pytest session where the plugin is installed imports this module,
+# and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
+# leases, baselines, psutil, filelock) is imported at the first gpumem test that runs, the outputs
+# only when there is something to write. `make bench` measures the cost (benchmarks/startup.py).
 
 gpumem = pytest.mark.gpumem
 """``from pytest_gpumem import gpumem`` is this marker."""
@@ -43,13 +49,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="rewrite the stored baselines of the gpumem tests that run")
     for opt in settings_mod.OPTIONS:
         group.addoption(opt.flag, dest=f"gpumem_{opt.name}", default=None, help=opt.help)
-        parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default})", default=None)
+        parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default_text})", default=None)
+
+
+def unsupported_platform(platform: str | None = None) -> str | None:
+    """Why gpumem tests cannot run here, or None on Linux (ranks read /proc and use prctl)."""
+    platform = sys.platform if platform is None else platform
+    if platform.startswith("linux"):
+        return None
+    return f"pytest-gpumem runs on Linux only (it reads /proc and uses prctl); this is {platform}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_DOC)
     if os.environ.get(WORKDIR_ENV):
-        config.pluginmanager.register(RankSide(config, Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
+        config.pluginmanager.register(RankSide(Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
         return
     try:
         resolved = settings_mod.resolve(
@@ -144,33 +158,45 @@ class ParentSide:
     """The user's session: skips without --gpumem, launches with it, prints the table."""
 
     def __init__(self, config: pytest.Config, resolved: settings_mod.Settings) -> None:
-        from .baseline import BaselineStore
-        from .gate import Gate
-        from .gpus import GpuPlanner
-        from .leases import default_lease_dir
-        from .runner import Runner
-
         self.config = config
         self.settings = resolved
         self.specs: dict[str, Spec] = {}
         self.records: list[dict[str, Any]] = []
-        interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
-        self.gate = Gate(resolved, BaselineStore(resolved.baselines))
         self.is_worker = hasattr(config, "workerinput")
-        self.runner = Runner(
-            cwd=Path(config.invocation_params.dir),
-            rootdir=Path(config.rootpath),
-            rank_pytest_args=self.rank_pytest_args,
-            gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
-            host_interval_s=interval,
-            snapshot_dir=resolved.torch_snapshot,
-        )
+        self._machinery: tuple[Gate, Runner] | None = None
+
+    def machinery(self) -> tuple[Gate, Runner]:
+        """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
+        if self._machinery is None:
+            from .baseline import BaselineStore
+            from .gate import Gate
+            from .gpus import GpuPlanner
+            from .leases import default_lease_dir
+            from .runner import Runner
+
+            resolved = self.settings
+            interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
+            runner = Runner(
+                cwd=Path(self.config.invocation_params.dir),
+                rootdir=Path(self.config.rootpath),
+                rank_pytest_args=self.rank_pytest_args,
+                gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
+                host_interval_s=interval,
+                snapshot_dir=resolved.torch_snapshot,
+                rank_env=resolved.rank_env(),
+            )
+            self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
+        return self._machinery
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session, config, items: list[pytest.Item]) -> None:
         for index, item in enumerate(items):
             spec = self.specs.get(item.nodeid)
             if spec is None:
+                continue
+            unsupported = unsupported_platform()
+            if unsupported is not None:
+                item.add_marker(pytest.mark.skip(reason=f"gpumem test: {unsupported}"))
                 continue
             if not self.settings.enabled:
                 sizes = ", ".join(map(str, spec.sizes))
@@ -197,7 +223,8 @@ class ParentSide:
     def run_item(self, item: GpumemItem) -> None:
         from . import outputs
 
-        outcome = self.gate.evaluate(self.runner.run(item.nodeid, item.spec))
+        gate, runner = self.machinery()
+        outcome = gate.evaluate(runner.run(item.nodeid, item.spec))
         item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record)))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:
@@ -205,7 +232,7 @@ class ParentSide:
         if outcome.failure is not None:
             raise GpumemFailed(outcome.failure)
         for text in outcome.warnings:
-            warnings.warn(GpumemWarning(text))
+            item.warn(GpumemWarning(text))  # reported at the test's own file and line
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -225,11 +252,10 @@ class ParentSide:
                     rec["status"] = "XFAIL" if report.skipped else "XPASS"
                 self.records.append(rec)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        from .report import refresh_lines, table
-
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
+        from .report import refresh_lines, table
         records = sorted(self.records, key=lambda r: r["test"])
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
@@ -247,11 +273,11 @@ class ParentSide:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """The controller writes each output once, covering every xdist worker."""
-        from . import outputs, plots
-
-        if self.is_worker:
-            return
         s, records = self.settings, sorted(self.records, key=lambda r: r["test"])
+        if self.is_worker or not (records or s.report is not None or s.benchmark_json is not None):
+            return
+        from . import outputs
+
         if s.report is not None:
             _write(s.report, json.dumps({"schema": 1, "tests": records}, indent=2) + "\n")
         if s.benchmark_json is not None:
@@ -266,6 +292,8 @@ class ParentSide:
             with open(summary, "a") as handle:
                 handle.write(text + "\n")
         if s.plots is not None:
+            from . import plots
+
             plots.plot_all(records, s.plots)
 
 
@@ -277,7 +305,7 @@ def _write(path: Path, text: str) -> None:
 class RankSide:
     """Inside a rank: run the test normally and write its outcome for the parent."""
 
-    def __init__(self, config: pytest.Config, workdir: Path) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.rank = int(os.environ.get("RANK", "0"))
         self.outcome: dict[str, str] | None = None

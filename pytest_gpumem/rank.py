@@ -11,26 +11,29 @@ the versions of the frameworks it imported.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import faulthandler
 import json
 import os
-import resource
-import runpy
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from .baseline import host_provenance
-from .boxing import install_graph_hook, rank_provenance
-from .rendezvous import install_oneflow_gate
+# Light on purpose: plugin.py imports this module in every pytest session (for the names above),
+# so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
-BOXING_ENV = "GPUMEM_BOXING"  # "0" turns the OneFlow nn.Graph boxing audit off
-FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # "0": ranks end through the interpreter's full teardown
+# Rank-side switches, declared in settings.OPTIONS (gpumem_boxing, gpumem_fast_exit): the user's
+# session resolves them and sets them in the ranks' environment as "1" or "0".
+BOXING_ENV = "GPUMEM_BOXING"  # off: no OneFlow nn.Graph boxing audit
+FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's full teardown
+
+
+def switched_off(name: str) -> bool:
+    """A rank-side switch set to 0/false/no/off (a marker's ``env`` may spell it any of these ways)."""
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
 
 
 def rank_file(workdir: Path, rank: int, kind: str) -> Path:
@@ -108,11 +111,16 @@ def peak_rss_kib() -> float:
                 return float(line.split()[1])
     except OSError:
         pass
+    import resource  # POSIX only; not reached on Linux
+
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss / 1024 if sys.platform == "darwin" else float(maxrss)  # bytes on macOS
 
 
 def _report_exit(workdir: Path, rank: int) -> None:
+    from .baseline import host_provenance
+    from .boxing import rank_provenance
+
     maxrss_kib = peak_rss_kib()
     write_json_atomic(
         rank_file(workdir, rank, "exit"),
@@ -130,6 +138,8 @@ def _die_with_parent() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
+    import ctypes
+
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -148,7 +158,7 @@ def _exit_fast(code: object) -> None:
     measured here 150-500 ms per rank, which the kernel does anyway. ``GPUMEM_FAST_EXIT=0`` keeps
     the normal exit.
     """
-    if os.environ.get(FAST_EXIT_ENV, "1") == "0":
+    if switched_off(FAST_EXIT_ENV):
         raise SystemExit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)
     threading._shutdown()  # noqa: SLF001 - what Py_Finalize does first
@@ -174,6 +184,12 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
         raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module|exec TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
+    import runpy
+
+    from . import baseline  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
+    from .boxing import install_graph_hook
+    from .rendezvous import install_oneflow_gate
+
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = int(os.environ.get("RANK", "0"))
@@ -182,7 +198,7 @@ def main(argv: list[str]) -> None:
     stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported
-    if os.environ.get(BOXING_ENV, "1") != "0":  # costs nothing until oneflow is imported
+    if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
         install_graph_hook(rank_file(workdir, rank, "boxing"))
     write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
     atexit.register(_report_exit, workdir, rank)

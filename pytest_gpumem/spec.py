@@ -14,6 +14,7 @@ from typing import Any, Mapping
 LAUNCHERS = ("direct", "oneflow", "torchrun")
 DEVICES = ("auto", "gpu", "cpu")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
+DEFAULT_TOLERANCE = "5%+32MiB"  # gpumem_tolerance's default, and a report's when it names none
 
 
 class SpecError(ValueError):
@@ -80,7 +81,7 @@ class Defaults:
     timeout: float = 600.0
     max_ratio: float | None = None
     allow_mib: float = 0.0
-    tolerance: Tolerance = field(default_factory=lambda: Tolerance(percent=5.0, mib=32.0))
+    tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_TOLERANCE))
     device: str = "auto"
 
 
