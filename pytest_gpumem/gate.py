@@ -115,7 +115,7 @@ class Gate:
             if result.world_size not in spec.nproc or gated is None:
                 continue
             platform = result.platform
-            gated_rank = spec.rank if spec.rank != "all" else int(label.split()[1])
+            gated_rank = int(label.split()[1]) if spec.rank == "all" else int(spec.rank)
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},

@@ -183,7 +183,9 @@ def markdown(records: Iterable[Record], *, max_chars: int = COMMENT_LIMIT) -> st
             break
         kept.append(row)
         used += len(row) + 1
-    omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report | | | | | | |"] if len(kept) < len(rows) else []
+    omitted = []
+    if len(kept) < len(rows):
+        omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report | | | | | | |"]
     text = "\n".join(head + _TABLE_HEAD + kept + omitted + tail) + "\n"
     return text if len(text) <= max_chars else text[: max_chars - 2] + "…\n"
 

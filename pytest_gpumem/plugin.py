@@ -12,13 +12,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import pytest
 
 from . import settings as settings_mod
 from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, rank_file, start_torch_history, write_json_atomic
-from .spec import Spec, SpecError, parse_marker
+from .spec import Defaults, Spec, SpecError, parse_marker
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -91,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def gpumem_config(request: pytest.FixtureRequest):
+def gpumem_config(request: pytest.FixtureRequest) -> Callable[[dict[str, Any]], None]:
     """Record the settings that move memory (``gpumem_config({"activation_checkpoint": True})``).
 
     Inside a rank they are stored with the baseline and, when they differ from it, listed first
@@ -111,26 +111,28 @@ class GpumemWarning(UserWarning):
 class GpumemItem(pytest.Item):
     """Stands in for a marked test in the user's session: running it launches the ranks."""
 
-    def __init__(self, *, spec: Spec, original: pytest.Item, **kwargs: Any) -> None:
+    def __init__(self, *, spec: Spec, original: pytest.Item, side: ParentSide, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
         self.original = original
+        self.side = side
         self.own_markers = list(original.own_markers)
         self.keywords.update(original.keywords)
 
     def runtest(self) -> None:
-        self.config.pluginmanager.get_plugin("gpumem-parent").run_item(self)
+        self.side.run_item(self)
 
-    def reportinfo(self):
+    def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.original.reportinfo()
 
-    def repr_failure(self, excinfo, style=None):
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> Any:
         if isinstance(excinfo.value, GpumemFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
 
-def _spec_for(item: pytest.Item, defaults) -> Spec | None:
+def _spec_for(item: pytest.Item, defaults: Defaults) -> Spec | None:
     marker = item.get_closest_marker("gpumem")
     if marker is None:
         return None
@@ -141,7 +143,7 @@ def _spec_for(item: pytest.Item, defaults) -> Spec | None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(collector, name, obj):
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Generator[None, Any, Any]:
     """Validate marker arguments as the test is collected, so a typo is a collection error."""
     result = yield
     parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
@@ -189,7 +191,8 @@ class ParentSide:
         return self._machinery
 
     @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, session, config, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
         for index, item in enumerate(items):
             spec = self.specs.get(item.nodeid)
             if spec is None:
@@ -203,7 +206,8 @@ class ParentSide:
                 item.add_marker(pytest.mark.skip(
                     reason=f"gpumem test (launches nproc {sizes}): run with pytest --gpumem"))
                 continue
-            items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item)
+            assert item.parent is not None  # a test item always has its module or class
+            items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item, side=self)
 
     def rank_pytest_args(self, test_id: str) -> list[str]:
         """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games."""
@@ -235,7 +239,8 @@ class ParentSide:
             item.warn(GpumemWarning(text))  # reported at the test's own file and line
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+    def pytest_runtest_makereport(self, item: pytest.Item,
+                                  call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """The whole record travels on the call report (to the xdist controller), not into junit.xml."""
         report = yield
         if call.when == "teardown":
@@ -247,7 +252,7 @@ class ParentSide:
             return
         for key, value in report.user_properties:
             if key == _RECORD_KEY:
-                rec = json.loads(value)
+                rec = json.loads(str(value))
                 if hasattr(report, "wasxfail"):
                     rec["status"] = "XFAIL" if report.skipped else "XPASS"
                 self.records.append(rec)
@@ -324,7 +329,7 @@ class RankSide:
             self.outcome = {"outcome": "passed", "text": ""}
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
         """With --gpumem-torch-snapshot: the CUDA allocator's history of this rank, dumped after the body."""
         recording = start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
         try:

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 # Light on purpose: plugin.py imports this module in every pytest session (for the names above),
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
@@ -60,7 +61,7 @@ def declare_config(settings: dict) -> None:
     write_json_atomic(path, current)
 
 
-def start_torch_history():
+def start_torch_history() -> ModuleType | None:
     """torch, when it is installed and has a GPU; the history must start before the body allocates."""
     try:
         import torch
@@ -161,7 +162,7 @@ def _exit_fast(code: object) -> None:
     if switched_off(FAST_EXIT_ENV):
         raise SystemExit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)
-    threading._shutdown()  # noqa: SLF001 - what Py_Finalize does first
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - what Py_Finalize does first
     atexit._run_exitfuncs()  # noqa: SLF001 - then this
     sys.stdout.flush()
     sys.stderr.flush()

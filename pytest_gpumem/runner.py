@@ -16,8 +16,8 @@ from typing import Callable, Mapping
 
 from .baseline import platform_key
 from .boxing import read_records
-from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
+from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .rank import SNAPSHOT_ENV, rank_file
 from .sampling import Peak, Sampler
@@ -224,7 +224,7 @@ class Runner:
             spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
         )
         peaks = gpu_peaks if use_gpu else host_peaks
-        timeline = (gpu if use_gpu else host).timeline()
+        timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",

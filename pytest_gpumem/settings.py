@@ -259,7 +259,7 @@ def resolve(
     baselines = Path(values.pop("baselines"))
     texts = {name: values.pop(name) for name in
              ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json")}
-    paths = {name: Path(text) if text else None for name, text in texts.items()}
+    paths: dict[str, Any] = {name: Path(text) if text else None for name, text in texts.items()}
     return Settings(
         enabled=enabled,
         refresh=refresh,
