@@ -82,3 +82,25 @@ def test_without_the_resource_module_and_off_linux_gpumem_tests_skip_saying_why(
 def test_unsupported_platform_names_it():
     assert unsupported_platform("linux") is None
     assert "this is darwin" in (unsupported_platform("darwin") or "")
+
+
+def test_the_floor_environment_pins_the_floors_pyproject_admits():
+    """tools/floor-requirements.txt (make test-floor) installs exactly each dependency's lower bound."""
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    def release(version: str | None) -> tuple[int, ...]:  # "8.0" and "8.0.0" are the same release
+        parts = [int(x) for x in (version or "0").split(".")]
+        while parts and parts[-1] == 0:
+            parts.pop()
+        return tuple(parts)
+
+    floors = dict(re.fullmatch(r"([\w.-]+)>=([\w.]+)", d).groups() for d in deps)
+    pinned = dict(line.split("==") for line in (REPO / "tools" / "floor-requirements.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert {name: release(pinned.get(name)) for name in floors} == {n: release(v) for n, v in floors.items()}
+    assert pinned["pytest"] == "8.0.0" and pinned["pluggy"] == "1.3.0"  # the first pytest with wrapper hooks
