@@ -182,3 +182,102 @@ def test_diff_command_exit_code_edge(tmp_path: Path, new, code):
         path.write_text(json.dumps({"schema": 1, "tests": report(mib)}))
         paths.append(str(path))
     assert cli.main(["diff", *paths]) == code
+
+
+# -- what the verdict says: every word a reviewer reads --------------------------------------
+
+
+def test_unmeasured_size_fails_and_the_larger_sizes_are_still_judged():
+    v = judge(spec(nproc=[1, 2], max_mib=100), [result(1, None), result(2, 100.0 + JUST)])
+    assert kinds(v) == [("measured", 1, False), ("max_mib", 2, False)]
+    assert str(v.checks[0]) == "rank 0 at nproc=1 (cpu): no peak could be measured (high-water mark)"
+    assert str(v.checks[1]) == "rank 0 at nproc=2 (cpu): peak 100.0 MiB > max_mib 100.0 MiB"
+
+
+def test_ratio_text_against_a_reference_below_1_mib():
+    v = judge(spec(nproc=[1, 2], max_ratio=2.0), [result(1, 0.5), result(2, 1.0)])
+    assert str(v.checks[0]) == ("rank 0 at nproc=2 (cpu): peak 1.0 MiB <= 2.00 x 0.5 MiB (nproc=1) + 0 MiB"
+                                " = 1.0 MiB (ratio 2.00x)")
+    assert v.ratio(2) == 2.0
+
+
+def test_ratio_is_none_without_both_sizes_or_a_positive_reference():
+    s = spec(nproc=[1, 2, 4], max_ratio=10.0)
+    v = judge(s, [result(1, 100.0), result(2, 150.0)])
+    assert (v.ratio(1), v.ratio(2), v.ratio(4)) == (None, 1.5, None)
+    assert judge(s, [result(2, 150.0), result(4, 150.0)]).ratio(4) is None
+    assert judge(s, [result(1, None), result(2, 150.0)]).ratio(2) is None
+    assert judge(s, [result(1, 100.0), result(2, None)]).ratio(2) is None
+    assert judge(s, [result(1, 0.0), result(2, 150.0)]).ratio(2) is None
+
+
+def test_the_whole_rendering_of_a_failing_verdict():
+    refs = {4: BaselineRef(1000.0, parse_tolerance("5%"))}
+    results = [
+        SizeResult(1, "cpu", {0: Peak(500.0, "high-water mark")}, reused=True),
+        SizeResult(2, "cpu", {0: Peak(600.0, "high-water mark"), 1: Peak(None, "not available")}),
+        SizeResult(4, "gpu", {r: Peak(900.0 + r, "per-pid sampled") for r in range(4)}),
+    ]
+    v = judge(spec(nproc=[2, 4], max_ratio=1.5, max_mib=2000, rank="all"), results, refs, notes=("a note",))
+    assert v.render().splitlines() == [
+        "gpumem: memory limit exceeded at nproc=4",
+        "  rank 3 (largest) at nproc=4 (gpu): peak 903.0 MiB > 1.50 x 500.0 MiB (nproc=1) + 0 MiB = 750.0 MiB"
+        " (ratio 1.81x)",
+        "  largest rank peak, nproc 1: 500.0 MiB | 2: 600.0 MiB (1.20x) | 4: 903.0 MiB (1.81x) FAIL",
+        "  nproc=1 cpu MiB per rank {0: 500.0} [high-water mark] (reference reused)",
+        "  nproc=2 cpu MiB per rank {0: 600.0, 1: n/a} [high-water mark, not available]",
+        "  nproc=4 gpu MiB per rank {0: 900.0, 1: 901.0, 2: 902.0, 3: 903.0} [per-pid sampled]",
+        "  note: a note",
+        "  note: rank 3 (largest) at nproc=4: peak 903.0 MiB is below the baseline 1000.0 MiB by more than 5%;"
+        " refresh the baseline to tighten it",
+    ]
+
+
+def test_the_rendering_of_a_passing_verdict_and_of_unmeasured_ranks():
+    v = judge(spec(nproc=2, max_mib=1000), [result(2, 10.0, None)])
+    assert v.passed and v.render().splitlines() == [
+        "  rank 0 peak, nproc 2: 10.0 MiB",
+        "  nproc=2 cpu MiB per rank {0: 10.0, 1: n/a} [high-water mark]",
+    ]
+    assert str(v.checks[0]) == "rank 0 at nproc=2 (cpu): peak 10.0 MiB <= max_mib 1000.0 MiB"
+    every = judge(spec(nproc=2, rank="all"), [result(2, None, None)])
+    assert every.results[0].gated("all") == ("all ranks", None)
+    assert "largest rank peak, nproc 2: n/a FAIL" in every.render()
+    assert SizeResult(1, "cpu", {}).methods == "not available"
+
+
+# -- tolerances: parsed, shown and refused in so many words ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, shown, percent, mib",
+    [("5%", "5%", 5.0, None), ("256MiB", "256MiB", None, 256.0), ("1GiB", "1024MiB", None, 1024.0),
+     ("5%+32MiB", "5%+32MiB", 5.0, 32.0), (" 2.5 % , 1.5 GiB ", "2.5%+1536MiB", 2.5, 1536.0),
+     (["10%", "64MiB"], "10%+64MiB", 10.0, 64.0)],
+)
+def test_tolerance_parsed_and_shown(text, shown, percent, mib):
+    tol = parse_tolerance(text)
+    assert (tol.percent, tol.mib, str(tol)) == (percent, mib, shown)
+    assert parse_tolerance(tol) is tol
+
+
+def test_no_tolerance_is_zero():
+    assert str(Tolerance()) == "0" and Tolerance().allowance(1000.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [(5, 'tolerance=5 is not accepted: expected a string like "5%", "256MiB" or "5%+256MiB"'),
+     ("-5%", "tolerance='-5%' is not accepted: expected a string like \"5%\", \"256MiB\" or \"5%+256MiB\" "
+             "(non-negative)"),
+     ("5", "tolerance='5' is not accepted"), ("5 MB", "tolerance='5 MB' is not accepted"),
+     ("5%+", "tolerance='5%+' is not accepted")],
+)
+def test_tolerance_refused_naming_what_is_accepted(value, message):
+    from pytest_gpumem.spec import SpecError
+
+    with pytest.raises(SpecError) as info:
+        parse_tolerance(value)
+    assert str(info.value).startswith(message)
+    with pytest.raises(SpecError, match="^--tolerance="):
+        parse_tolerance(value, "--tolerance")
