@@ -22,7 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from types import FrameType
+from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
@@ -185,7 +186,7 @@ class Launch:
                 guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
         return result
 
-    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log) -> None:
+    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> None:
         proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -283,8 +284,8 @@ class Launch:
         for proc in self._procs:
             _signal_group(proc.pid, signal.SIGTERM)
         others = [p for p in self._alive(self._seen.values()) + self._strays() if p.pid not in own]
-        for proc in others:
-            _signal(proc, signal.SIGTERM)
+        for other in others:
+            _signal(other, signal.SIGTERM)
         deadline = time.monotonic() + _TERM_GRACE_S
         for proc in self._procs:
             try:
@@ -297,8 +298,8 @@ class Launch:
             if proc.poll() is None:
                 proc.kill()
         alive = alive + [p for p in self._strays() if p.pid not in own]
-        for proc in alive:
-            _signal(proc, signal.SIGKILL)
+        for stray in alive:
+            _signal(stray, signal.SIGKILL)
         for proc in self._procs:
             try:
                 proc.wait(timeout=_TERM_GRACE_S)
@@ -368,11 +369,11 @@ class _SignalGuard:
 
     def __init__(self) -> None:
         self._main = threading.current_thread() is threading.main_thread()
-        self._saved: dict[int, object] = {}
+        self._saved: dict[int, Any] = {}  # signal number -> the handler found
         self._holding = False
         self.held: list[int] = []
 
-    def _set(self, sig: int, handler) -> None:
+    def _set(self, sig: int, handler: Any) -> None:
         if sig not in self._saved and signal.getsignal(sig) is None:
             return  # a handler installed from C: Python could not put it back, leave it alone
         old = signal.signal(sig, handler)
@@ -386,7 +387,7 @@ class _SignalGuard:
             if now is (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL):
                 self._set(sig, self._interrupt)
 
-    def _interrupt(self, signum: int, frame) -> None:
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         self.hold()  # a second signal must not cut the cleanup short
         if signum == signal.SIGINT:
             raise KeyboardInterrupt

@@ -11,18 +11,18 @@ import json
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from .baseline import platform_key
 from .boxing import read_records
-from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
+from .floor import FRAMEWORKS
+from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV, rank_file
-from .sampling import Peak
+from .sampling import Peak, Sampler
 from .sampling.host import HostSampler
 from .spec import Spec
-from .floor import FRAMEWORKS
 from .verdict import FloorResult, SizeResult
 from .workdirs import make_workdir, sweep_orphans
 
@@ -85,18 +85,18 @@ class Runner:
         rank_pytest_args: Callable[[str], list[str]],
         gpu_setup: GpuSetup = GpuPlanner(None),
         host_interval_s: float | None = None,
-        keep_workdirs: bool = False,
         snapshot_dir: Path | None = None,
         floor: str = "auto",
         gpu_sampler: str = "parent",
+        rank_env: Mapping[str, str] | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
         self.rank_pytest_args = rank_pytest_args
         self.gpu_setup = gpu_setup
         self.host_interval_s = host_interval_s
-        self.keep_workdirs = keep_workdirs
         self.snapshot_dir = snapshot_dir
+        self.rank_env = dict(rank_env or {})  # the session's rank-side switches; a marker's env wins
         self._references: dict[tuple, SizeRun] = {}
         self._swept = False
         self.floor = floor
@@ -187,12 +187,11 @@ class Runner:
         try:  # the folder goes whatever happens, Ctrl-C included
             return self._launch_in(test_id, spec, nproc, plan, workdir)
         finally:
-            if not self.keep_workdirs:
-                shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path) -> SizeRun:
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
-        samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
+        samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
         def on_rank(rank: int, pid: int) -> None:
             for sampler in samplers:
@@ -206,7 +205,7 @@ class Runner:
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**dict(spec.env), **plan.env, **snapshot_env},
+            env={**self.rank_env, **dict(spec.env), **plan.env, **snapshot_env},
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
@@ -276,7 +275,7 @@ class Runner:
         peaks = gpu_peaks if use_gpu else host_peaks
         if use_gpu:
             provenance.update(plan.provenance)
-        timeline = (gpu if use_gpu else host).timeline()
+        timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",
