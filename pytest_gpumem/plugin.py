@@ -149,6 +149,7 @@ class ParentSide:
         from .gpus import GpuPlanner
         from .leases import default_lease_dir
         from .runner import Runner
+        from .slurm import SlurmOptions
 
         self.config = config
         self.settings = resolved
@@ -164,6 +165,7 @@ class ParentSide:
             gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
             host_interval_s=interval,
             snapshot_dir=resolved.torch_snapshot,
+            slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
         )
 
     @pytest.hookimpl(trylast=True)

@@ -19,6 +19,7 @@ from .boxing import read_records
 from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
+from . import slurm
 from .rank import SNAPSHOT_ENV, rank_file
 from .sampling import Peak
 from .sampling.host import HostSampler
@@ -86,6 +87,7 @@ class Runner:
         host_interval_s: float | None = None,
         keep_workdirs: bool = False,
         snapshot_dir: Path | None = None,
+        slurm_options: slurm.SlurmOptions | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -94,6 +96,7 @@ class Runner:
         self.host_interval_s = host_interval_s
         self.keep_workdirs = keep_workdirs
         self.snapshot_dir = snapshot_dir
+        self.slurm_options = slurm_options or slurm.SlurmOptions()
         self._references: dict[tuple, SizeRun] = {}
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
@@ -117,7 +120,7 @@ class Runner:
                     provenance=reused.provenance,
                 )
             else:
-                plan = self.gpu_setup(spec, nproc, test_id)
+                plan = self._plan(spec, nproc, test_id)
                 if plan.skip_reason is not None:
                     test.skip_reason = plan.skip_reason
                     return test
@@ -133,6 +136,16 @@ class Runner:
                 return test  # a broken launch says more than any memory figure
         return test
 
+    def _plan(self, spec: Spec, nproc: int, test_id: str) -> GpuPlan:
+        if spec.launcher == "srun":  # Slurm binds the GPUs; the local leases are for local launches
+            return slurm.plan(spec, nproc)
+        return self.gpu_setup(spec, nproc, test_id)
+
+    def _new_workdir(self, spec: Spec) -> Path:
+        if spec.launcher == "srun":  # on a file system that every node sees
+            return slurm.make_workdir(self.slurm_options)
+        return Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
+
     def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
         if spec.script is not None:
             script = Path(spec.script)
@@ -147,7 +160,11 @@ class Runner:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        workdir = Path(tempfile.mkdtemp(prefix="gpumem-"))  # private: mode 0700
+        try:
+            workdir = self._new_workdir(spec)
+        except OSError as exc:
+            return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[str(exc)])
         try:  # the folder goes whatever happens, Ctrl-C included
             return self._launch_in(test_id, spec, nproc, plan, workdir)
         finally:
@@ -159,6 +176,8 @@ class Runner:
         samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
         def on_rank(rank: int, pid: int) -> None:
+            if spec.launcher == "srun":  # the PID is on the rank's own host: its exit report counts
+                return
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
@@ -171,11 +190,12 @@ class Runner:
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
+            nnodes=spec.nnodes,
         )
         for sampler in samplers:
             sampler.start()
         try:
-            launch = Launch(request, on_rank).run()
+            launch = self._launcher(request, on_rank).run()
         finally:
             for sampler in samplers:
                 sampler.stop()
@@ -184,6 +204,11 @@ class Runner:
         run.notes = plan.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
+
+    def _launcher(self, request: LaunchRequest, on_rank: Callable[[int, int], None]) -> Launch:
+        if request.launcher == "srun":
+            return slurm.SrunLaunch(request, on_rank, self.slurm_options)
+        return Launch(request, on_rank)
 
     def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
         """Move each rank's torch allocator snapshot out of the launch folder before it goes."""
@@ -234,6 +259,7 @@ class Runner:
             host_peaks=host_peaks,
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
+            nodes=dict(launch.nodes),
         )
         outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance,
@@ -276,19 +302,20 @@ class Runner:
             problems.append(text)
         for rank, outcome in sorted(run.outcomes.items()):
             if outcome.outcome == "failed" and spec.body_mode:  # the text is the rank's traceback
-                problems.append(f"rank {rank} of {n} failed:\n{outcome.text.rstrip()}")
+                problems.append(f"{_who(launch, rank)} failed:\n{outcome.text.rstrip()}")
             elif outcome.outcome == "failed":  # a program in script mode: its output says why
                 tail = launch.rank_log(workdir, rank)
-                problems.append(f"rank {rank} of {n} failed ({outcome.text})"
+                problems.append(f"{_who(launch, rank)} failed ({outcome.text})"
                                 + (f"; last lines of its output:\n{tail}" if tail else ""))
             elif outcome.outcome == "missing" and not launch.timed_out:
                 tail = launch.rank_log(workdir, rank)
                 problems.append(
-                    f"rank {rank} of {n} ended without a result ({outcome.text})"
+                    f"{_who(launch, rank)} ended without a result ({outcome.text})"
                     + (f"; last lines of its output:\n{tail}" if tail else "")
                 )
         if launch.leftovers:
             problems.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
+        problems.extend(launch.problems)
         if problems and launch.launcher != "direct":
             log = _tail(workdir / "launcher.log", 15)
             if log:
@@ -296,7 +323,15 @@ class Runner:
         return problems
 
 
+def _who(launch: LaunchResult, rank: int) -> str:
+    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes."""
+    node = launch.nodes.get(rank)
+    return f"rank {rank} of {launch.nproc}" + (f" (node {node})" if node else "")
+
+
 def _exit_text(launch: LaunchResult, rank: int) -> str:
+    if launch.launcher == "srun" and rank in launch.returncodes:  # the task shim saw the rank end
+        return describe_returncode(launch.returncodes[rank])
     if launch.launcher == "direct":
         return describe_returncode(launch.returncodes.get(rank))
     return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
