@@ -297,6 +297,9 @@ class Runner:
             running = sorted(r for r, o in run.outcomes.items() if o.outcome == "missing")
             text = (f"launch timed out after {spec.timeout:g} s at nproc={n} "
                     f"(launcher {launch.launcher}); ranks without a result: {running or 'none'}")
+            nodes = sorted({launch.nodes[r] for r in running if r in launch.nodes})
+            if nodes:
+                text += f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
             for rank, stack in sorted(launch.stacks.items()):
                 text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
             problems.append(text)

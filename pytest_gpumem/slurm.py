@@ -202,19 +202,14 @@ class SrunLaunch(Launch):
         result.returncodes = {rank: t["returncode"] for rank, t in tasks.items() if t.get("returncode") is not None}
         result.nodes = {rank: str(t["node"]) for rank, t in tasks.items() if t.get("node")}
         result.problems.extend(self._problems)
-        lines = self._srun_lines()
+        lines = srun_lines(self.request.workdir / "launcher.log")
         for fields in lines:
             if isinstance(fields.get("rank"), int) and fields.get("node"):
                 result.nodes.setdefault(fields["rank"], str(fields["node"]))
-        missing = sorted({(f["rank"], f["node"]) for f in lines if f.get("event") == "folder-missing"})
-        if missing:
-            who = ", ".join(f"rank {rank} on node {node}" for rank, node in missing)
-            result.problems.append(
-                f"the launch folder {self.request.workdir} is not on a file system that every node "
-                f"shares: {who} could not see it (task exit code {NOT_SHARED_EXIT}); set "
-                f"--gpumem-slurm-dir (or GPUMEM_SLURM_DIR) to a shared folder")
-        elif not tasks and result.launcher_returncode not in (None, 0) and not result.timed_out:
-            result.problems.append("no rank of the step started (see srun's output below)")
+        result.problems.extend(not_shared_problems(lines, self.request.workdir))
+        if not tasks and result.launcher_returncode not in (None, 0) and not result.timed_out \
+                and not result.problems:
+            result.problems.append("no rank of the step started (srun's own output is below)")
 
     # --- Slurm ---------------------------------------------------------------------------------
     def _step_id(self) -> str | None:
@@ -261,20 +256,33 @@ class SrunLaunch(Launch):
     def _task_codes(self) -> dict[int, int | None]:
         return {rank: task.get("returncode") for rank, task in self._tasks().items()}
 
-    def _srun_lines(self) -> list[dict]:
-        """The shims' ``gpumem-srun:`` lines in srun's output (they arrive without a shared folder)."""
-        try:
-            text = (self.request.workdir / "launcher.log").read_text(errors="replace")
-        except OSError:
-            return []
-        found = []
-        for line in text.splitlines():
-            if line.startswith(LINE_PREFIX):
-                try:
-                    found.append(json.loads(line[len(LINE_PREFIX):]))
-                except ValueError:
-                    continue
-        return found
+
+
+def srun_lines(log: Path) -> list[dict]:
+    """The task shims' ``gpumem-srun:`` lines in srun's output (they arrive without a shared folder)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        if line.startswith(LINE_PREFIX):
+            try:
+                found.append(json.loads(line[len(LINE_PREFIX):]))
+            except ValueError:
+                continue
+    return found
+
+
+def not_shared_problems(lines: list[dict], workdir: Path) -> list[str]:
+    """What to say when tasks could not see the launch folder on their node."""
+    missing = sorted({(f["rank"], f["node"]) for f in lines if f.get("event") == "folder-missing"})
+    if not missing:
+        return []
+    who = ", ".join(f"rank {rank} on node {node}" for rank, node in missing)
+    return [f"the launch folder {workdir} is not on a file system that every node shares: {who} "
+            f"could not see it (task exit code {NOT_SHARED_EXIT}); set --gpumem-slurm-dir (or "
+            f"GPUMEM_SLURM_DIR, gpumem_slurm_dir) to a folder every node mounts"]
 
 
 def _run(argv: list[str]) -> str | None:

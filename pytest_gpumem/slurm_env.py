@@ -92,7 +92,11 @@ def contract(env: Mapping[str, str], port: int, addresses: Mapping[str, str]) ->
     per_node = tasks_per_node(_need(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
     local_world = per_node[node_index] if node_index < len(per_node) else per_node[-1]
     first = nodes[0]
+    oneflow = {}
+    if "ONEFLOW_TEST_NODE_NUM" in env:  # the parent saw OneFlow: its test helpers' view of the step
+        oneflow = {"ONEFLOW_TEST_NODE_NUM": str(len(nodes)), "ONEFLOW_TEST_DEVICE_NUM": str(local_world)}
     return {
+        **oneflow,
         "RANK": _need(env, "SLURM_PROCID"),
         "LOCAL_RANK": _need(env, "SLURM_LOCALID"),
         "WORLD_SIZE": _need(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),

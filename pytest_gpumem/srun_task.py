@@ -23,6 +23,7 @@ from pathlib import Path
 from .rank import WORKDIR_ENV, rank_file, write_json_atomic
 from .slurm_env import SlurmEnvError, contract, parse_addresses
 
+FOLDER_WAIT_ENV = "GPUMEM_SLURM_FOLDER_WAIT_S"
 FOLDER_WAIT_S = 10.0  # a folder made a moment ago on the submit host may take a while to show on NFS
 NOT_SHARED_EXIT = 3
 LINE_PREFIX = "gpumem-srun:"
@@ -34,7 +35,7 @@ def say(**fields: object) -> None:
 
 
 def _wait_for(folder: Path) -> bool:
-    end = time.monotonic() + FOLDER_WAIT_S
+    end = time.monotonic() + float(os.environ.get(FOLDER_WAIT_ENV) or FOLDER_WAIT_S)
     while not folder.is_dir():
         if time.monotonic() >= end:
             return False
