@@ -9,7 +9,7 @@ OF := .venv-oneflow
 TO := .venv-torch
 PYTEST_FLAGS ?= -p no:cacheprovider
 
-.PHONY: test demo demo-torch demo-oneflow baselines bench venvs clean
+.PHONY: test test-slurm demo demo-torch demo-oneflow baselines bench venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -33,6 +33,12 @@ $(TO)/.ready: pyproject.toml
 test: venvs
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 tests
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
+
+# launcher=srun through a real Slurm: installs Debian's slurm and munge (apt, root), brings up a
+# local cluster of two emulated nodes, runs tests/test_slurm.py inside an allocation of both (none
+# may be skipped), and brings the cluster down, also when a test fails. docs/cluster.md.
+test-slurm: venvs
+	PYTEST_FLAGS="$(PYTEST_FLAGS)" TO=$(TO) OF=$(OF) tools/slurm/test
 
 # The main job: pytest --gpumem over the real examples, printing the memory table.
 demo: demo-oneflow demo-torch
