@@ -30,7 +30,7 @@ _RECORD_KEY = "gpumem"
 _MARKER_DOC = (
     "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
     "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=(), "
-    "config=None): "
+    "config=None, nnodes=None): "
     "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
 )
 

@@ -638,6 +638,8 @@ BAD_VALUES = {
     "interval_ms": "fast",
     "missing_baseline": "maybe",
     "lease_wait": "0",
+    "nnodes": "two",
+    "srun_args": '--gpus-per-task="1',  # an unclosed quote
 }
 # Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}

@@ -273,8 +273,8 @@ def test_baselines_and_reports_are_those_of_a_local_launch(pytester, nothing_lef
             assert mib == pytest.approx(a[n]["ranks"][rank], abs=16)
 
 
-def test_pytest_killed_mid_launch_leaves_no_step_running(pytester, nothing_left):
-    """SIGKILL to pytest: srun dies with it (bound to its parent), and Slurm ends the step."""
+def start_long_launch(pytester: pytest.Pytester) -> subprocess.Popen:
+    """A pytest whose 4 ranks (2 per node) sleep; returns once every rank has started."""
     marker = pytester.path / "started"
     pytester.makepyfile(test_long=f'''
 import os, time
@@ -287,17 +287,43 @@ def test_long():
 ''')
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "--gpumem", "-p", "no:cacheprovider", "test_long.py"],
                             cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+    while not all(os.path.exists(f"{marker}{rank}") for rank in range(4)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("the ranks never started")
+        time.sleep(0.1)
+    assert len(steps()) == 1
+    return proc
+
+
+def wait_until_nothing_left(tag: str) -> None:
+    end = time.monotonic() + 30
+    while (steps() or processes_tagged(tag)) and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+def test_pytest_killed_mid_launch_leaves_no_step_running(pytester, nothing_left):
+    """SIGKILL to pytest: srun dies with it (bound to its parent), and Slurm ends the step."""
+    proc = start_long_launch(pytester)
     try:
-        deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
-        while not all(os.path.exists(f"{marker}{rank}") for rank in range(4)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
-        assert len(steps()) == 1
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        end = time.monotonic() + 30
-        while (steps() or processes_tagged(nothing_left)) and time.monotonic() < end:
-            time.sleep(0.2)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        wait_until_nothing_left(nothing_left)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_mid_launch_ends_the_step_then_the_session(pytester, nothing_left):
+    """SIGINT to pytest: the step is cancelled before pytest reports the interruption."""
+    proc = start_long_launch(pytester)
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == pytest.ExitCode.INTERRUPTED
+        assert steps() == [], "the step was ended before pytest exited"
     finally:
         if proc.poll() is None:
             proc.kill()
