@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from .spec import Spec
 from .srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 
 SHARED_SUBDIR = ".gpumem-slurm"
-_CANCEL_GRACE_S = 3.0     # scancel's SIGTERM, then SIGKILL: the same grace as a local launch
+_CANCEL_GRACE_S = 3.0     # SIGTERM to the step, then SIGKILL: the same grace as a local launch
 _STEP_GONE_WAIT_S = 60.0  # Slurm's own KillWait and epilog may take a while on a busy cluster
 _SLURM_CMD_TIMEOUT_S = 30.0
 _HOW_TO_RUN = ("run pytest inside a Slurm allocation, e.g. `salloc -N2 -n4 pytest --gpumem ...`, "
@@ -291,7 +290,3 @@ def _run(argv: list[str]) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout
-
-
-def parse_srun_args(text: str) -> tuple[str, ...]:
-    return tuple(shlex.split(text))
