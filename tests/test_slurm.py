@@ -328,3 +328,24 @@ def test_ctrl_c_mid_launch_ends_the_step_then_the_session(pytester, nothing_left
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_script_mode_runs_the_program_on_both_nodes(pytester, nothing_left, tmp_path):
+    out = tmp_path / "runs.txt"
+    pytester.makepyfile(train_net=f'''
+import os, sys
+with open({str(out)!r}, "a") as f:
+    f.write(f"{{os.environ['RANK']}}/{{os.environ['WORLD_SIZE']}} {{os.environ['SLURMD_NODENAME']}} {{' '.join(sys.argv[1:])}}\\n")
+''')
+    pytester.makepyfile(test_script='''
+import pytest
+
+@pytest.mark.gpumem(nproc=[1, 2], script="train_net.py", args=["--config-file", "gpt2.py"],
+                    launcher="srun", nnodes=2)
+def test_train_net():
+    raise AssertionError("the body is not run in script mode")
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    assert sorted(out.read_text().splitlines()) == [
+        "0/1 n1 --config-file gpt2.py", "0/2 n1 --config-file gpt2.py", "1/2 n2 --config-file gpt2.py"]
