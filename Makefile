@@ -16,7 +16,7 @@ SMOKE := tests/test_install.py tests/test_gate_edges.py tests/test_settings.py t
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench venvs clean
+.PHONY: test test-slurm lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -72,6 +72,12 @@ mutate: $(TO)/.ready
 PYVERS ?= 3.10 3.11 3.13
 dist-check: $(TO)/.ready
 	PYTHON=$(TO)/bin/python SMOKE="$(SMOKE)" tools/check-dist $(PYVERS)
+
+# launcher=srun through a real Slurm: installs Debian's slurm and munge (apt, root), brings up a
+# local cluster of two emulated nodes, runs tests/test_slurm.py inside an allocation of both (none
+# may be skipped), and brings the cluster down, also when a test fails. docs/cluster.md.
+test-slurm: venvs
+	PYTEST_FLAGS="$(PYTEST_FLAGS)" TO=$(TO) OF=$(OF) tools/slurm/test
 
 # The main job: pytest --gpumem over the real examples, printing the memory table.
 # Both halves always run; the target fails when either had a real failure.

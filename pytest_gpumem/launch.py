@@ -49,6 +49,7 @@ class LaunchRequest:
     cwd: Path
     workdir: Path                   # private folder of this launch (logs, pids, results)
     timeout: float
+    nnodes: int | None = None       # srun only: spread the ranks over this many nodes
 
 
 @dataclass
@@ -63,6 +64,8 @@ class LaunchResult:
     duration_s: float = 0.0
     stacks: dict[int, str] = field(default_factory=dict)
     leftovers: list[int] = field(default_factory=list)
+    nodes: dict[int, str] = field(default_factory=dict)  # srun: the node of each rank
+    problems: list[str] = field(default_factory=list)    # what the launcher itself found wrong
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
@@ -159,7 +162,7 @@ class Launch:
         req.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = rank_environment(os.environ, req, self.launch_id)
         port = free_port()
-        command = launcher_command(req, port)
+        command = self._command(port)
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command)
         log = open(req.workdir / "launcher.log", "wb")
         start = time.monotonic()
@@ -185,6 +188,9 @@ class Launch:
                 # A held SIGTERM/SIGHUP ends pytest right here: nobody will read the launch's folder.
                 guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
         return result
+
+    def _command(self, port: int) -> list[str]:
+        return launcher_command(self.request, port)
 
     def _spawn(self, command: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> None:
         proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),

@@ -36,7 +36,7 @@ _RECORD_KEY = "gpumem"
 _MARKER_DOC = (
     "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
     "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=(), "
-    "config=None): "
+    "config=None, nnodes=None): "
     "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
 )
 
@@ -218,6 +218,7 @@ class ParentSide:
             from .gpus import GpuPlanner
             from .leases import default_lease_dir
             from .runner import Runner
+            from .slurm import SlurmOptions
 
             resolved = self.settings
             interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
@@ -231,6 +232,7 @@ class ParentSide:
                 rank_env=resolved.rank_env(),
                 floor=resolved.floor,
                 gpu_sampler=resolved.gpu_sampler,
+                slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
         return self._machinery

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
+from . import slurm
 from .baseline import platform_key
 from .boxing import read_records
 from .explain import config_provenance
@@ -89,6 +90,7 @@ class Runner:
         floor: str = "auto",
         gpu_sampler: str = "parent",
         rank_env: Mapping[str, str] | None = None,
+        slurm_options: slurm.SlurmOptions | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -97,6 +99,7 @@ class Runner:
         self.host_interval_s = host_interval_s
         self.snapshot_dir = snapshot_dir
         self.rank_env = dict(rank_env or {})  # the session's rank-side switches; a marker's env wins
+        self.slurm_options = slurm_options or slurm.SlurmOptions()
         self._references: dict[tuple, SizeRun] = {}
         self._swept = False
         self.floor = floor
@@ -126,7 +129,7 @@ class Runner:
                     provenance=reused.provenance,
                 )
             else:
-                plan = self.gpu_setup(spec, nproc, test_id)
+                plan = self._plan(spec, nproc, test_id)
                 if plan.skip_reason is not None:
                     test.skip_reason = plan.skip_reason
                     return test
@@ -155,7 +158,7 @@ class Runner:
                             args=(framework, result.device), device=result.device, nproc=(result.world_size,))
             key = (framework, probe.launch_key(), result.world_size)
             if key not in self._floors:
-                plan = self.gpu_setup(probe, result.world_size, f"{test.test_id} (floor)")
+                plan = self._plan(probe, result.world_size, f"{test.test_id} (floor)")
                 floor_run = self._launch(test.test_id, probe, result.world_size, plan)
                 self._floors[key] = None if floor_run.problems else (framework, floor_run.result)
             found = self._floors[key]
@@ -165,6 +168,19 @@ class Runner:
             framework, measured = found
             run.result = replace(result, floor=FloorResult(
                 framework, {r: p.mib for r, p in measured.peaks.items() if p.mib is not None}))
+
+    def _plan(self, spec: Spec, nproc: int, test_id: str) -> GpuPlan:
+        if spec.launcher == "srun":  # Slurm binds the GPUs; the local leases are for local launches
+            return slurm.plan(spec, nproc)
+        return self.gpu_setup(spec, nproc, test_id)
+
+    def _new_workdir(self, spec: Spec) -> Path:
+        if spec.launcher == "srun":  # on a file system that every node sees
+            return slurm.make_workdir(self.slurm_options)
+        if not self._swept:  # once per session, at the first local launch: nothing paid when unused
+            self._swept = True
+            sweep_orphans()
+        return make_workdir()  # private: mode 0700
 
     def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
         if spec.script is not None:
@@ -180,10 +196,11 @@ class Runner:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        if not self._swept:  # once per session, at the first launch: nothing paid when unused
-            self._swept = True
-            sweep_orphans()
-        workdir = make_workdir()  # private: mode 0700
+        try:
+            workdir = self._new_workdir(spec)
+        except OSError as exc:
+            return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[str(exc)])
         try:  # the folder goes whatever happens, Ctrl-C included
             return self._launch_in(test_id, spec, nproc, plan, workdir)
         finally:
@@ -194,6 +211,8 @@ class Runner:
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
         def on_rank(rank: int, pid: int) -> None:
+            if spec.launcher == "srun":  # the PID is on the rank's own host: its exit report counts
+                return
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
@@ -209,11 +228,12 @@ class Runner:
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
+            nnodes=spec.nnodes,
         )
         for sampler in samplers:
             sampler.start()
         try:
-            launch = Launch(request, on_rank).run()
+            launch = self._launcher(request, on_rank).run()
         finally:
             for sampler in samplers:
                 sampler.stop()
@@ -222,6 +242,11 @@ class Runner:
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
+
+    def _launcher(self, request: LaunchRequest, on_rank: Callable[[int, int], None]) -> Launch:
+        if request.launcher == "srun":
+            return slurm.SrunLaunch(request, on_rank, self.slurm_options)
+        return Launch(request, on_rank)
 
     def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
         """Move each rank's torch allocator snapshot out of the launch folder before it goes."""
@@ -285,6 +310,7 @@ class Runner:
             rss_peaks=host.rss_peaks(),
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
+            nodes=dict(launch.nodes),
         )
         outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
@@ -322,24 +348,28 @@ class Runner:
             running = sorted(r for r, o in run.outcomes.items() if o.outcome == "missing")
             text = (f"launch timed out after {spec.timeout:g} s at nproc={n} "
                     f"(launcher {launch.launcher}); ranks without a result: {running or 'none'}")
+            nodes = sorted({launch.nodes[r] for r in running if r in launch.nodes})
+            if nodes:
+                text += f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
             for rank, stack in sorted(launch.stacks.items()):
                 text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
             problems.append(text)
         for rank, outcome in sorted(run.outcomes.items()):
             if outcome.outcome == "failed" and spec.body_mode:  # the text is the rank's traceback
-                problems.append(f"rank {rank} of {n} failed:\n{outcome.text.rstrip()}")
+                problems.append(f"{_who(launch, rank)} failed:\n{outcome.text.rstrip()}")
             elif outcome.outcome == "failed":  # a program in script mode: its output says why
                 tail = launch.rank_log(workdir, rank)
-                problems.append(f"rank {rank} of {n} failed ({outcome.text})"
+                problems.append(f"{_who(launch, rank)} failed ({outcome.text})"
                                 + (f"; last lines of its output:\n{tail}" if tail else ""))
             elif outcome.outcome == "missing" and not launch.timed_out:
                 tail = launch.rank_log(workdir, rank)
                 problems.append(
-                    f"rank {rank} of {n} ended without a result ({outcome.text})"
+                    f"{_who(launch, rank)} ended without a result ({outcome.text})"
                     + (f"; last lines of its output:\n{tail}" if tail else "")
                 )
         if launch.leftovers:
             problems.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
+        problems.extend(launch.problems)
         if problems and launch.launcher != "direct":
             log = _tail(workdir / "launcher.log", 15)
             if log:
@@ -347,7 +377,15 @@ class Runner:
         return problems
 
 
+def _who(launch: LaunchResult, rank: int) -> str:
+    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes."""
+    node = launch.nodes.get(rank)
+    return f"rank {rank} of {launch.nproc}" + (f" (node {node})" if node else "")
+
+
 def _exit_text(launch: LaunchResult, rank: int) -> str:
+    if launch.launcher == "srun" and rank in launch.returncodes:  # the task shim saw the rank end
+        return describe_returncode(launch.returncodes[rank])
     if launch.launcher == "direct":
         return describe_returncode(launch.returncodes.get(rank))
     return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"

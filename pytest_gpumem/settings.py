@@ -59,6 +59,19 @@ def _tolerance(text: str) -> Tolerance:
         raise ValueError(str(exc)) from exc
 
 
+def _shell_words(text: str) -> tuple[str, ...]:
+    import shlex
+
+    return tuple(shlex.split(text))
+
+
+def _positive_int_or_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("negative")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -153,6 +166,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("benchmark_json", "--gpumem-benchmark-json", "GPUMEM_BENCHMARK_JSON", "gpumem_benchmark_json",
            str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON",
            shown_default="none: not written"),
+    Option("slurm_dir", "--gpumem-slurm-dir", "GPUMEM_SLURM_DIR", "gpumem_slurm_dir",
+           str, "", "a folder path that every node of the allocation sees",
+           "launcher=srun: where the ranks write their results",
+           shown_default="$SLURM_SUBMIT_DIR/.gpumem-slurm"),
+    Option("srun_args", "--gpumem-srun-args", "GPUMEM_SRUN_ARGS", "gpumem_srun_args",
+           _shell_words, "", 'srun options in one string, e.g. "--gpus-per-task=1 --cpus-per-task=8"',
+           "launcher=srun: extra srun options for every launch (GPU binding, CPUs per task)",
+           shown_default="none"),
+    Option("nnodes", "--gpumem-nnodes", "GPUMEM_NNODES", "gpumem_nnodes",
+           _positive_int_or_zero, "0", "a whole number >= 1 (0: Slurm places the ranks)",
+           "launcher=srun: nodes to spread each launch over (a marker's nnodes wins; never more than nproc)"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
            str, "", "a file path", "write a JSON report of every gpumem test to this file",
            shown_default="none: not written"),
@@ -196,6 +220,9 @@ class Settings:
     report: Path | None
     fast_exit: bool
     boxing: bool
+    slurm_dir: Path | None = None
+    srun_args: tuple[str, ...] = ()
+    nnodes: int = 0
 
     def defaults(self) -> Defaults:
         return Defaults(
@@ -268,7 +295,7 @@ def resolve(
         values[option.name] = _parse(option, text, source)
     baselines = Path(values.pop("baselines"))
     texts = {name: values.pop(name) for name in
-             ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json")}
+             ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json", "slurm_dir")}
     paths: dict[str, Any] = {name: Path(text) if text else None for name, text in texts.items()}
     return Settings(
         enabled=enabled,

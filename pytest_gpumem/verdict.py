@@ -41,6 +41,7 @@ class SizeResult:
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     duration_s: float = 0.0
     reused: bool = False
+    nodes: Mapping[int, str] = field(default_factory=dict)  # launcher=srun: the node of each rank
 
     def gated(self, rank: int | str) -> tuple[str, float | None]:
         """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
@@ -154,7 +155,9 @@ class Verdict:
         lines.append("  " + self.summary_line())
         for result in self.results:
             ranks = ", ".join(
-                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}" for r, p in sorted(result.peaks.items())
+                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}"
+                + (f" on {result.nodes[r]}" if r in result.nodes else "")
+                for r, p in sorted(result.peaks.items())
             )
             reused = " (reference reused)" if result.reused else ""
             lines.append(
