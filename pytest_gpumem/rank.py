@@ -150,7 +150,7 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, object]:
     sampler.stop()
     peak = sampler.peaks()[0]
     return {"gpu_peak_mib": peak.mib, "gpu_method": f"{peak.method}, in the rank",
-            "gpu_problems": list(sampler.problems)}
+            "gpu_name": sampler.devices[0].name, "gpu_problems": list(sampler.problems)}
 
 
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None") -> None:

@@ -192,6 +192,9 @@ class Runner:
             return ("module", spec.module, *spec.args)
         return ("pytest", *self.rank_pytest_args(test_id))
 
+    def _in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
+        return spec.launcher == "srun" or (plan.sampler is not None and self.gpu_sampler == "rank")
+
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan) -> SizeRun:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
@@ -217,9 +220,10 @@ class Runner:
                 sampler.add_process(rank, pid)
 
         snapshot_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}
-        if plan.sampler is not None and self.gpu_sampler == "rank":
+        if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
             snapshot_env[GPU_IN_RANK_ENV] = "1"
-            snapshot_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
+            if plan.sampler is not None:
+                snapshot_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
@@ -268,7 +272,7 @@ class Runner:
         gpu = plan.sampler
         provenance: dict[str, str] = {}
         notes: list[str] = []
-        in_rank_gpu: dict[int, tuple[float | None, str]] = {}
+        in_rank_gpu: dict[int, tuple[float | None, str, str | None]] = {}
         exited: set[int] = set()
         for rank in range(nproc):
             try:
@@ -279,7 +283,7 @@ class Runner:
             host.report_exit(rank, data.get("maxrss_kib"), data.get("alloc_peak_mib"),
                              str(data.get("alloc_method", "")))
             if "gpu_method" in data:
-                in_rank_gpu[rank] = (data.get("gpu_peak_mib"), str(data["gpu_method"]))
+                in_rank_gpu[rank] = (data.get("gpu_peak_mib"), str(data["gpu_method"]), data.get("gpu_name"))
                 notes.extend(f"rank {rank} GPU sampler: {p}" for p in data.get("gpu_problems", []))
             if data.get("alloc_problem"):
                 notes.append(f"rank {rank}: {data['alloc_problem']}; its host figure is resident memory")
@@ -292,8 +296,10 @@ class Runner:
             pass
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
-        if self.gpu_sampler == "rank" and gpu is not None:  # each rank's own figure, from its report
-            gpu_peaks = {rank: Peak(mib, method) for rank, (mib, method) in in_rank_gpu.items()}
+        gpu_name = plan.gpu_name
+        if self._in_rank_gpu(spec, plan):  # each rank's own figure, from its report
+            gpu_peaks = {rank: Peak(mib, method) for rank, (mib, method, _) in in_rank_gpu.items()}
+            gpu_name = gpu_name or next((name for _, _, name in in_rank_gpu.values() if name), None)
         use_gpu = spec.device == "gpu" or (
             spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
         )
@@ -304,7 +310,7 @@ class Runner:
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",
-            platform=platform_key("gpu", plan.gpu_name) if use_gpu else platform_key("cpu"),
+            platform=platform_key("gpu", gpu_name or "unknown") if use_gpu else platform_key("cpu"),
             peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
             host_peaks=host_peaks,
             rss_peaks=host.rss_peaks(),

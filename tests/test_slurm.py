@@ -112,7 +112,7 @@ def test_inflating():
     assert healthy[2]["nodes"] == {"0": "n1", "1": "n2"}
     assert healthy[1]["nodes"] == {"0": "n1"}
     for size in healthy.values():  # every rank's own exit report, nothing sampled from here
-        assert set(size["methods"].values()) == {"high-water mark"}
+        assert set(size["methods"].values()) == {"live allocations (memray)"}
         assert all(mib > 150 for mib in size["ranks"].values())
 
 
