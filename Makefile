@@ -99,6 +99,8 @@ bench: venvs
 	$(OF)/bin/python benchmarks/bench.py
 	$(TO)/bin/python benchmarks/bench.py
 	$(TO)/bin/python benchmarks/startup.py
+	$(OF)/bin/python benchmarks/figures.py
+	$(TO)/bin/python benchmarks/figures.py
 
 # Rewrite the examples' stored baselines (review the diff, then commit baselines/).
 baselines: venvs
