@@ -219,16 +219,16 @@ class Runner:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        snapshot_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}
+        side_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}  # rank-side measurements
         if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
-            snapshot_env[GPU_IN_RANK_ENV] = "1"
+            side_env[GPU_IN_RANK_ENV] = "1"
             if plan.sampler is not None:
-                snapshot_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
+                side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**self.rank_env, **dict(spec.env), **plan.env, **snapshot_env},
+            env={**self.rank_env, **dict(spec.env), **plan.env, **side_env},
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
