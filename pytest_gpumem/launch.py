@@ -10,7 +10,6 @@ owns its timeout: neither launcher has one, and a rank stuck in a collective wai
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -27,7 +26,8 @@ from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
-from .rank import LAUNCH_ID_ENV, WORKDIR_ENV, rank_file
+from . import protocol
+from .rank import LAUNCH_ID_ENV, WORKDIR_ENV
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -66,16 +66,14 @@ class LaunchResult:
     leftovers: list[int] = field(default_factory=list)
     nodes: dict[int, str] = field(default_factory=dict)  # srun: the node of each rank
     problems: list[str] = field(default_factory=list)    # what the launcher itself found wrong
+    results: dict[int, protocol.RankResult] = field(default_factory=dict)  # each rank's test outcome
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
         (~35 of them: they pushed "Fatal Python error: Segmentation fault" and the test's own
         frame out of the 40 lines shown)."""
-        try:
-            text = rank_file(workdir, rank, "log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(_user_frames(text).splitlines()[-lines:])
+        text = protocol.read_tail(workdir, rank, "log")
+        return "\n".join(_user_frames(text).splitlines()[-lines:]) if text else ""
 
 
 def free_port() -> int:
@@ -156,6 +154,7 @@ class Launch:
         self.launch_id = uuid.uuid4().hex
         self._procs: list[subprocess.Popen] = []
         self._seen: dict[int, psutil.Process] = {}
+        self._results: dict[int, protocol.RankResult] = {}
 
     def run(self) -> LaunchResult:
         req = self.request
@@ -184,6 +183,8 @@ class Launch:
                 result.leftovers = self._cleanup()
                 log.close()
                 self._collect_exit_codes(result)
+                self._read_results()
+                result.results = dict(self._results)
             finally:
                 # A held SIGTERM/SIGHUP ends pytest right here: nobody will read the launch's folder.
                 guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
@@ -227,23 +228,24 @@ class Launch:
                 return
             time.sleep(_TICK_S)
 
-    def _rank_reported_failure(self) -> bool:
+    def _read_results(self) -> None:
+        """Each rank's result, parsed once: it is written whole, once, when the rank's test ends."""
         for rank in range(self.request.nproc):
-            path = rank_file(self.request.workdir, rank, "result")
-            try:
-                if path.exists() and json.loads(path.read_text()).get("outcome") == "failed":
-                    return True
-            except (OSError, ValueError):
-                continue
-        return False
+            if rank not in self._results:
+                found = protocol.read_result(self.request.workdir, rank)
+                if found is not None:
+                    self._results[rank] = found
+
+    def _rank_reported_failure(self) -> bool:
+        self._read_results()
+        return any(r.outcome == "failed" for r in self._results.values())
 
     def _discover(self, result: LaunchResult) -> None:
         for rank in range(self.request.nproc):
             if rank in result.pids:
                 continue
-            try:
-                pid = json.loads(rank_file(self.request.workdir, rank, "hello").read_text())["pid"]
-            except (OSError, ValueError, KeyError):
+            pid = protocol.read_hello_pid(self.request.workdir, rank)
+            if pid is None:
                 continue
             result.pids[rank] = pid
             self._remember(pid)
@@ -273,10 +275,7 @@ class Launch:
                 pass
         time.sleep(_STACK_DUMP_WAIT_S)
         for rank in result.pids:
-            try:
-                text = rank_file(self.request.workdir, rank, "stack").read_text(errors="replace")
-            except OSError:
-                continue
+            text = protocol.read_tail(self.request.workdir, rank, "stack")
             if text.strip():
                 result.stacks[rank] = _user_frames(text)
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import pytest
 
+from . import protocol
 from . import settings as settings_mod
-from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, rank_file, start_torch_history, write_json_atomic
+from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
 from .spec import Spec, SpecError, parse_marker
 
 if TYPE_CHECKING:
@@ -360,7 +361,7 @@ class RankSide:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.rank = int(os.environ.get("RANK", "0"))
-        self.outcome: dict[str, str] | None = None
+        self.outcome: protocol.RankResult | None = None
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -373,7 +374,7 @@ class RankSide:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self._set("skipped", reason)
         elif report.passed and report.when == "call" and self.outcome is None:
-            self.outcome = {"outcome": "passed", "text": ""}
+            self.outcome = protocol.RankResult("passed")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
@@ -383,17 +384,15 @@ class RankSide:
             return (yield)
         finally:
             if recording is not None:
-                recording.cuda.memory._dump_snapshot(str(rank_file(self.workdir, self.rank, "snapshot")))
+                recording.cuda.memory._dump_snapshot(str(protocol.rank_file(self.workdir, self.rank, "snapshot")))
                 recording.cuda.memory._record_memory_history(enabled=None)
 
     def _set(self, outcome: str, text: str) -> None:
-        if self.outcome is None or self.outcome["outcome"] != "failed":
-            self.outcome = {"outcome": outcome, "text": text}
+        if self.outcome is None or self.outcome.outcome != "failed":
+            self.outcome = protocol.RankResult(outcome, text)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        outcome = self.outcome or {
-            "outcome": "failed",
-            "text": f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
-                    "was the test id collected the same way inside the rank?",
-        }
-        write_json_atomic(rank_file(self.workdir, self.rank, "result"), outcome)
+        outcome = self.outcome or protocol.RankResult(
+            "failed", f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
+                      "was the test id collected the same way inside the rank?")
+        protocol.write_result(self.workdir, self.rank, outcome)

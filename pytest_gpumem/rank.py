@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import json
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from . import protocol
 
 if TYPE_CHECKING:
     from .sampling.allocations import AllocationTracker
@@ -46,29 +47,11 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
 
 
-def rank_file(workdir: Path, rank: int, kind: str) -> Path:
-    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peaks), ``memray``
-    (allocation capture), ``result`` (test outcome), ``config`` (declared settings), ``boxing``
-    (nn.Graph SBP conversions), ``snapshot``."""
-    return workdir / f"rank-{rank}.{kind}"
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def declare_config(settings: dict) -> None:
+def declare_config(settings: dict[str, object]) -> None:
     """Inside a rank: record settings that move memory (the ``gpumem_config`` fixture); elsewhere a no-op."""
     workdir = os.environ.get(WORKDIR_ENV)
-    if not workdir:
-        return
-    path = rank_file(Path(workdir), int(os.environ.get("RANK", "0")), "config")
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update({str(k): v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
-                    for k, v in settings.items()})
-    write_json_atomic(path, current)
+    if workdir:
+        protocol.update_config(Path(workdir), int(os.environ.get("RANK", "0")), settings)
 
 
 def start_torch_history() -> ModuleType | None:
@@ -144,7 +127,7 @@ def _start_gpu_sampler() -> "NvmlSampler | None":
     return sampler
 
 
-def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, object]:
+def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
     if sampler is None:
         return {}
     sampler.stop()
@@ -159,13 +142,11 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     from .sampling.allocations import METHOD as ALLOC_METHOD
 
     alloc_mib = tracker.stop()
-    write_json_atomic(
-        rank_file(workdir, rank, "exit"),
-        {"pid": os.getpid(), "maxrss_kib": peak_rss_kib(), **_gpu_report(gpu_sampler),
-         "alloc_peak_mib": alloc_mib, "alloc_method": ALLOC_METHOD, "alloc_problem": tracker.problem,
-         "provenance": {**host_provenance(os.environ), **framework_versions(),
-                        **rank_provenance(rank_file(workdir, rank, "boxing"))}},
-    )
+    provenance = {**host_provenance(os.environ), **framework_versions(),
+                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
+    protocol.write_exit(workdir, rank, protocol.ExitReport(
+        pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
+        alloc_problem=tracker.problem, provenance=provenance, **_gpu_report(gpu_sampler)))
 
 
 def _die_with_parent() -> None:
@@ -233,17 +214,17 @@ def main(argv: list[str]) -> None:
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = int(os.environ.get("RANK", "0"))
 
-    _redirect_output(rank_file(workdir, rank, "log"))
-    stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
+    _redirect_output(protocol.rank_file(workdir, rank, "log"))
+    stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported
     if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
-        install_graph_hook(rank_file(workdir, rank, "boxing"))
-    tracker = AllocationTracker(rank_file(workdir, rank, "memray"))
+        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
+    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"))
     if not switched_off(TRACK_ENV):
         tracker.start()  # before the target imports anything: the frameworks' own allocations count
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
-    write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
+    protocol.write_hello(workdir, rank)
     atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler)  # runs last: after the frameworks' shutdown
 
     if mode == "pytest":

@@ -7,20 +7,19 @@ env in script mode).
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import slurm
+from . import protocol, slurm
 from .baseline import platform_key
 from .boxing import read_records
 from .explain import config_provenance
 from .floor import FRAMEWORKS
 from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV, rank_file
+from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
 from .sampling import Peak, Sampler
 from .sampling.host import HostSampler
 from .spec import Spec
@@ -259,7 +258,7 @@ class Runner:
         kept = {}
         stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_id)
         for rank in range(nproc):
-            source = rank_file(workdir, rank, "snapshot")
+            source = protocol.rank_file(workdir, rank, "snapshot")
             if source.exists():
                 self.snapshot_dir.mkdir(parents=True, exist_ok=True)
                 target = self.snapshot_dir / f"{stem}-nproc{nproc}-rank{rank}.pickle"
@@ -275,25 +274,20 @@ class Runner:
         in_rank_gpu: dict[int, tuple[float | None, str, str | None]] = {}
         exited: set[int] = set()
         for rank in range(nproc):
-            try:
-                data = json.loads(rank_file(workdir, rank, "exit").read_text())
-            except (OSError, ValueError):
+            report = protocol.read_exit(workdir, rank)
+            if report is None:
                 continue
             exited.add(rank)
-            host.report_exit(rank, data.get("maxrss_kib"), data.get("alloc_peak_mib"),
-                             str(data.get("alloc_method", "")))
-            if "gpu_method" in data:
-                in_rank_gpu[rank] = (data.get("gpu_peak_mib"), str(data["gpu_method"]), data.get("gpu_name"))
-                notes.extend(f"rank {rank} GPU sampler: {p}" for p in data.get("gpu_problems", []))
-            if data.get("alloc_problem"):
-                notes.append(f"rank {rank}: {data['alloc_problem']}; its host figure is resident memory")
+            host.report_exit(rank, report.maxrss_kib, report.alloc_peak_mib, report.alloc_method)
+            if report.gpu_method is not None:
+                in_rank_gpu[rank] = (report.gpu_peak_mib, report.gpu_method, report.gpu_name)
+                notes.extend(f"rank {rank} GPU sampler: {p}" for p in report.gpu_problems)
+            if report.alloc_problem:
+                notes.append(f"rank {rank}: {report.alloc_problem}; its host figure is resident memory")
             if rank == 0:
-                provenance = dict(data.get("provenance", {}))
-        try:  # settings the test declared through the gpumem_config fixture
-            declared = json.loads(rank_file(workdir, 0, "config").read_text())
-            provenance.update(config_provenance(declared))
-        except (OSError, ValueError):
-            pass
+                provenance = dict(report.provenance)
+        # settings the test declared through the gpumem_config fixture
+        provenance.update(config_provenance(protocol.read_config(workdir, 0)))
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
         gpu_name = plan.gpu_name
@@ -318,26 +312,24 @@ class Runner:
             duration_s=launch.duration_s,
             nodes=dict(launch.nodes),
         )
-        outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
+        outcomes = self._outcomes(spec, nproc, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                       gpu_problems=list(getattr(gpu, "problems", []) or []),
-                      boxings=[b for rec in read_records(rank_file(workdir, 0, "boxing"))
+                      boxings=[b for rec in read_records(protocol.rank_file(workdir, 0, "boxing"))
                                for b in rec.get("boxings", [])])
         run.problems = self._problems(spec, run, workdir)
         return run
 
-    def _outcomes(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
+    def _outcomes(self, spec: Spec, nproc: int, launch: LaunchResult,
                   exited: set[int]) -> dict[int, RankOutcome]:
         outcomes: dict[int, RankOutcome] = {}
         for rank in range(nproc):
             code = launch.returncodes.get(rank)
+            reported = launch.results.get(rank)  # read by the launch, once
             if spec.body_mode:
-                try:
-                    data = json.loads(rank_file(workdir, rank, "result").read_text())
-                    outcomes[rank] = RankOutcome(rank, data["outcome"], data.get("text", ""))
+                if reported is not None:
+                    outcomes[rank] = RankOutcome(rank, reported.outcome, reported.text)
                     continue
-                except (OSError, ValueError, KeyError):
-                    pass
             elif rank in exited and code in (None, 0) and launch.launcher_returncode in (None, 0):
                 outcomes[rank] = RankOutcome(rank, "passed")
                 continue

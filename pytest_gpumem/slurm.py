@@ -29,9 +29,9 @@ from typing import Callable, Mapping
 
 import psutil
 
+from . import protocol
 from .gpus import GpuPlan
 from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
-from .rank import rank_file
 from .slurm_env import expand_hostlist, format_addresses
 from .spec import Spec
 from .srun_task import LINE_PREFIX, NOT_SHARED_EXIT
@@ -155,9 +155,8 @@ class SrunLaunch(Launch):
         for rank in range(self.request.nproc):
             if rank in result.pids:
                 continue
-            try:
-                pid = json.loads(rank_file(self.request.workdir, rank, "hello").read_text())["pid"]
-            except (OSError, ValueError, KeyError):
+            pid = protocol.read_hello_pid(self.request.workdir, rank)
+            if pid is None:
                 continue
             result.pids[rank] = pid
             self.on_rank(rank, pid)
@@ -175,10 +174,7 @@ class SrunLaunch(Launch):
         _run(["scancel", "--signal=USR1", step])
         time.sleep(_STACK_DUMP_WAIT_S)
         for rank in range(self.request.nproc):
-            try:
-                text = rank_file(self.request.workdir, rank, "stack").read_text(errors="replace")
-            except OSError:
-                continue
+            text = protocol.read_tail(self.request.workdir, rank, "stack")
             if text.strip():
                 result.stacks[rank] = _user_frames(text)
 
@@ -246,10 +242,9 @@ class SrunLaunch(Launch):
     def _tasks(self) -> dict[int, dict]:
         found = {}
         for rank in range(self.request.nproc):
-            try:
-                found[rank] = json.loads(rank_file(self.request.workdir, rank, "task").read_text())
-            except (OSError, ValueError):
-                continue
+            task = protocol.read_task(self.request.workdir, rank)
+            if task is not None:
+                found[rank] = task
         return found
 
     def _task_codes(self) -> dict[int, int | None]:

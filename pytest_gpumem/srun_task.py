@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from .rank import WORKDIR_ENV, rank_file, write_json_atomic
+from . import protocol
+from .rank import WORKDIR_ENV
 from .slurm_env import SlurmEnvError, contract, parse_addresses
 
 FOLDER_WAIT_ENV = "GPUMEM_SLURM_FOLDER_WAIT_S"
@@ -62,8 +63,7 @@ def main(argv: list[str]) -> int:
         return NOT_SHARED_EXIT
 
     proc = subprocess.Popen([sys.executable, "-m", "pytest_gpumem.rank", *rank_argv], env=env)
-    task_file = rank_file(workdir, rank, "task")
-    write_json_atomic(task_file, {**facts, "pid": proc.pid, "returncode": None})
+    protocol.write_task(workdir, rank, {**facts, "pid": proc.pid, "returncode": None})
 
     def forward(signum: int, _frame: object) -> None:  # scancel signals the whole step; srun may signal us alone
         try:
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     # SIGUSR1 (a stack dump before a timeout) is for the rank; Slurm sends it to us too.
     signal.signal(signal.SIGUSR1, lambda *_: None)
     code = proc.wait()
-    write_json_atomic(task_file, {**facts, "pid": proc.pid, "returncode": code})
+    protocol.write_task(workdir, rank, {**facts, "pid": proc.pid, "returncode": code})
     if code < 0:  # end the way the rank ended, so srun reports "task 2: Killed" as it would have
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)

@@ -62,8 +62,9 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     result, out = probe(project, *args)
     assert result["code"] == 0, out
     ours = {m for m in result["modules"] if m.startswith("pytest_gpumem")}
-    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.rank", "pytest_gpumem.settings",
-                    "pytest_gpumem.spec"}, ours
+    # (protocol: the rank files' names and readers, standard library only; the rank side uses it)
+    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.protocol", "pytest_gpumem.rank",
+                    "pytest_gpumem.settings", "pytest_gpumem.spec"}, ours
     assert not [m for m in result["modules"] if m.split(".")[0] in HEAVY]
 
 
