@@ -7,9 +7,16 @@ PY310 := $(shell tools/find-python 3.10)
 PY311 := $(shell tools/find-python 3.11)
 OF := .venv-oneflow
 TO := .venv-torch
+FLOOR := .venv-floor
 PYTEST_FLAGS ?= -p no:cacheprovider
+# What the floor venv and tools/check-dist run: the plugin end to end (collection, wrappers, a real
+# launch, the baseline lifecycle) and the pure core, without OneFlow or torch.
+SMOKE := tests/test_install.py tests/test_gate_edges.py tests/test_settings.py tests/test_cli_settings.py \
+	tests/test_spec.py tests/test_verdict.py tests/test_plugin.py::test_marked_tests_skip_without_the_option \
+	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
+	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
+.PHONY: test test-slurm lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -26,13 +33,51 @@ $(TO)/.ready: pyproject.toml
 	$(TO)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU build on the index; a bare `torch` would pull a multi-GB CUDA build.
 	$(TO)/bin/python -m pip install -q "torch==2.13.0"
-	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots]"
+	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev]"
 	touch $@
 
-# The plugin's own tests: everything in the torch venv, the OneFlow-marked ones in the OneFlow venv.
-test: venvs
+# The oldest versions pyproject.toml admits (tools/floor-requirements.txt), on the oldest Python.
+$(FLOOR)/.ready: pyproject.toml tools/floor-requirements.txt
+	test -n "$(PY310)"
+	rm -rf $(FLOOR)
+	$(PY310) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q -r tools/floor-requirements.txt
+	$(FLOOR)/bin/python -m pip install -q --no-deps -e .
+	$(FLOOR)/bin/python -m pip check
+	touch $@
+
+# The plugin's own tests: lint and types first, everything in the torch venv, the OneFlow-marked
+# ones in the OneFlow venv, then the smoke tests at the dependency floors.
+test: venvs lint
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 tests
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
+	$(MAKE) test-floor
+
+# ruff (with the rule that only plugin.py imports pytest) and mypy, configured in pyproject.toml.
+lint: $(TO)/.ready
+	$(TO)/bin/python -m ruff check pytest_gpumem
+	$(TO)/bin/python -m mypy
+
+test-floor: $(FLOOR)/.ready
+	$(FLOOR)/bin/python -m pytest $(PYTEST_FLAGS) $(SMOKE)
+
+# Mutation testing of the gate ([tool.mutmut] in pyproject.toml): lists the surviving mutants.
+mutate: $(TO)/.ready
+	rm -rf mutants
+	$(TO)/bin/python -m mutmut run --max-children 2 || true
+	$(TO)/bin/python -m mutmut results
+
+# Build the sdist and wheel (no warnings, no tests in the sdist) and run the smoke tests against the
+# installed wheel on each Python version found (PYVERS="3.10 3.11 3.13").
+PYVERS ?= 3.10 3.11 3.13
+dist-check: $(TO)/.ready
+	PYTHON=$(TO)/bin/python SMOKE="$(SMOKE)" tools/check-dist $(PYVERS)
+
+# launcher=srun through a real Slurm: installs Debian's slurm and munge (apt, root), brings up a
+# local cluster of two emulated nodes, runs tests/test_slurm.py inside an allocation of both (none
+# may be skipped), and brings the cluster down, also when a test fails. docs/cluster.md.
+test-slurm: venvs
+	PYTEST_FLAGS="$(PYTEST_FLAGS)" TO=$(TO) OF=$(OF) tools/slurm/test
 
 # The main job: pytest --gpumem over the real examples, printing the memory table.
 # Both halves always run; the target fails when either had a real failure.
@@ -53,6 +98,9 @@ demo-torch: $(TO)/.ready
 bench: venvs
 	$(OF)/bin/python benchmarks/bench.py
 	$(TO)/bin/python benchmarks/bench.py
+	$(TO)/bin/python benchmarks/startup.py
+	$(OF)/bin/python benchmarks/figures.py
+	$(TO)/bin/python benchmarks/figures.py
 
 # Predicted vs measured peaks at 8 ranks (heavy: 8-rank CPU launches): benchmarks/results/predict_validation.txt
 predict-validation: venvs
@@ -64,4 +112,4 @@ baselines: venvs
 	$(MAKE) demo PYTEST_FLAGS="$(PYTEST_FLAGS) --gpumem-refresh"
 
 clean:
-	rm -rf $(OF) $(TO)
+	rm -rf $(OF) $(TO) $(FLOOR) mutants

@@ -1,14 +1,14 @@
 """OneFlow nn.Graph data parallel: a healthy compiled training step, and one whose memory grows with the world size.
 
-Rank-0 peak RSS on a 2-core CPU box, OneFlow 0.9.0, pytest launched in each rank by
-`python -m oneflow.distributed.launch`, MiB:
+Rank-0 peak of live allocations (the gated host figure), OneFlow 0.9.0, pytest launched in each
+rank by `python -m oneflow.distributed.launch`, MiB:
 
-    test                              nproc=1   nproc=2        nproc=4
-    test_oneflow_graph_dp               496      518 (1.04x)    524 (1.06x)
-    test_oneflow_graph_dp_inflated      560      820 (1.46x)   1214 (2.17x)
+    test                              nproc=1   nproc=2
+    test_oneflow_graph_dp               257.2    275.2 (1.07x)
+    test_oneflow_graph_dp_inflated      321.3    580.5 (1.81x)
 
-Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 611 and 688 MiB, so the healthy test
-passes by ~90 MiB and the inflated one fails by ~130 MiB. `print(graph)` after the first call shows
+Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 325 and 402 MiB, so the healthy test
+passes by ~50 MiB and the inflated one fails by ~179 MiB. `print(graph)` after the first call shows
 the bug: the batch goes through a `hierarchical_parallel_cast` to sbp B and every op after it runs on
 the whole global batch.
 

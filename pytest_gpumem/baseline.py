@@ -25,7 +25,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-
 SCHEMA_VERSION = 1
 MAX_MIB = 2.0**40
 LOCK_NAME = ".gpumem.lock"
@@ -93,7 +92,7 @@ def host_provenance(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-class _Obj(dict):  # type: ignore[type-arg]
+class _Obj(dict[str, Any]):
     """A JSON object that remembers keys given twice (a badly resolved merge) to report them."""
 
     duplicates: tuple[str, ...] = ()

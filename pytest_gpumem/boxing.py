@@ -108,7 +108,7 @@ def _ranges(numbers: Iterable[int]) -> str:
 
 def _devices(parallel_conf: Any) -> list[tuple[str, int]]:
     """``device_name`` entries ("@0:0", "1:0-3") -> [(machine, device), ...]."""
-    out = []
+    out: list[tuple[str, int]] = []
     for name in parallel_conf.device_name:
         machine, _, devs = name.lstrip("@").partition(":")
         first, _, last = devs.partition("-")
@@ -223,7 +223,8 @@ def audit_job(job: Any) -> list[Boxing]:
         op_type = _op_type(op)
         op_label = f"{name} ({op_type})"
         bn2sbp = sigs[name].bn_in_op2nd_sbp
-        inputs, outputs = [], []
+        inputs: list[tuple[str, str]] = []
+        outputs: list[tuple[str, str]] = []
         for bn, lbi in sorted(args[name].bn_in_op2lbi.items(), key=lambda kv: _bn_key(kv[0])):
             (outputs if lbi.op_name == name else inputs).append((bn, f"{lbi.op_name}/{lbi.blob_name}"))
         for bn, lbn in inputs:
@@ -241,7 +242,8 @@ def audit_job(job: Any) -> list[Boxing]:
                 continue
             if not moved and dst_group is not None and group_single[dst_group]:
                 continue  # on one device every SBP is the same data: nothing moves
-            where = f"{group_str[src_group]} -> {group_str[dst_group]}" if moved else ""
+            where = f"{group_str[src_group]} -> {group_str[dst_group]}" if moved and src_group is not None \
+                and dst_group is not None else ""  # moved implies both groups are known
             key = (name, lbn, dst, where)
             if key in seen:  # the same blob read twice by one op is boxed once
                 continue
@@ -260,9 +262,9 @@ def audit_job(job: Any) -> list[Boxing]:
 # --------------------------------------------------------------------------- the repr fallback
 
 # 0.9: "name(ins) -> (outs), placement=(...)"; 0.8: "name(ins) -> (outs):placement=(...)".
-_OP_LINE = re.compile(r"\(OPERATOR: (?P<name>[^\s(]+)\((?P<ins>.*?)\) -> \((?P<outs>.*?)\)(?:,\s*placement=|:placement=|\)$)")
+_OP_LINE = re.compile(r"\(OPERATOR: (?P<name>[^\s(]+)\((?P<ins>.*?)\) -> \((?P<outs>.*?)\)(?:,\s*placement=|:placement=|\)$)")  # noqa: E501
 _TENSOR = re.compile(
-    r"(?P<lbn>[\w.\-/]+):\(?sbp=\((?P<sbp>(?:[^()]|\([^()]*\))*)\), size=\((?P<size>[^)]*)\), dtype=\((?P<dtype>[^)]*)\)\)?"
+    r"(?P<lbn>[\w.\-/]+):\(?sbp=\((?P<sbp>(?:[^()]|\([^()]*\))*)\), size=\((?P<size>[^)]*)\), dtype=\((?P<dtype>[^)]*)\)\)?"  # noqa: E501
 )
 
 
@@ -564,7 +566,7 @@ def _patch(flow: Any, out_path: Path) -> None:
         return
     original = graph_cls.__call__
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(_HOOK_FLAG):  # after the first call: one dict lookup, nothing else
             return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
@@ -625,5 +627,5 @@ class _GraphImportWatcher:
             except Exception:  # an unexpected OneFlow: no audit, but the import stands
                 pass
 
-        spec.loader.exec_module = exec_module  # this spec's own loader instance
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader instance
         return spec

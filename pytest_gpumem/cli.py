@@ -1,7 +1,9 @@
-"""``gpumem``: refresh and show stored baselines, diff two JSON reports, measure a launch.
+"""gpumem: refresh and show stored baselines, diff two JSON reports, measure a launch.
 
 ``gpumem refresh [pytest args]`` is ``pytest --gpumem --gpumem-refresh [pytest args]`` in a fresh
 interpreter (the plugin does the writing, so the CLI and pytest can never disagree on the format).
+``gpumem show`` finds the baselines folder as the plugin does: ``--baselines``, then
+``GPUMEM_BASELINES``, then the ini file's ``gpumem_baselines``, relative to pytest's rootdir.
 ``gpumem diff OLD.json NEW.json`` compares two ``--gpumem-report`` files (main vs the PR, same
 job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
 ``gpumem measure --nproc 1,2,4 -- train_net.py ...`` runs a program at each size (``measure.py``).
@@ -15,24 +17,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import inifile, settings
 from .baseline import BaselineError, BaselineStore
 from .outputs import ReportError, compare, diff_markdown, diff_table, load_report
-from .settings import option
 from .spec import SpecError, parse_tolerance
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpumem", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gpumem", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     refresh = sub.add_parser("refresh", help="run the selected gpumem tests and rewrite their baselines",
                              description="Runs pytest --gpumem --gpumem-refresh with the given pytest arguments.")
     refresh.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test selection and pytest options")
-    baselines = option("baselines")
-    show = sub.add_parser("show", help="list the stored baselines")
+    baselines = settings.option("baselines")
+    show = sub.add_parser("show", help="list the stored baselines",
+                          description="Lists the stored baselines. The folder is found as pytest --gpumem finds it: "
+                                      f"--baselines, then {baselines.env}, then {baselines.ini} in the ini file "
+                                      "pytest would use here, then the default, relative to pytest's rootdir.")
     show.add_argument("--test", metavar="PATTERN", help="only test ids matching this glob")
-    show.add_argument(baselines.flag.replace("--gpumem-", "--"), dest="baselines",
-                      default=os.environ.get(baselines.env or "", baselines.default),
-                      help=f"{baselines.help} (default: {baselines.default})")
+    show.add_argument(baselines.flag.replace("--gpumem-", "--"), dest="baselines", metavar="DIR",
+                      help=f"{baselines.help} (default: {baselines.env}, then {baselines.ini}, "
+                           f"then {baselines.default!r} under the rootdir)")
+    show.add_argument("--rootdir", type=Path, help="pytest's rootdir (default: found as pytest finds it)")
     sub.add_parser("measure", add_help=False,  # parsed by measure.py: everything after -- is the program
                    help="run an existing launch at several world sizes and print its per-rank scaling table "
                         "(gpumem measure --help)")
@@ -47,6 +53,24 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--labels", nargs=2, metavar=("OLD", "NEW"), default=("old", "new"),
                       help="names of the two sides in the Markdown (default: old new)")
     return parser
+
+
+def baselines_dir(cli_value: str | None, cwd: Path, env: dict[str, str], rootdir: Path | None = None) -> Path:
+    """The plugin's baselines folder for a pytest run started in ``cwd``: the same option table,
+    the same ini file and rootdir (raises IniError or SettingsError naming the source)."""
+    setup = inifile.find(cwd, rootdir)
+    try:
+        resolved = settings.resolve(
+            cli={"baselines": cli_value},
+            env=env,
+            ini={o.name: setup.values.get(o.ini) for o in settings.OPTIONS},
+            rootdir=setup.rootdir,
+            enabled=False,
+            refresh=False,
+        )
+    except settings.SettingsError as exc:
+        raise settings.SettingsError(f"{exc} (ini file: {setup.inipath})" if setup.inipath else str(exc)) from None
+    return resolved.baselines
 
 
 def _show(directory: Path, pattern: str | None) -> int:
@@ -101,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "diff":
         return _diff(args)
-    return _show(Path(args.baselines), args.test)
+    try:
+        directory = baselines_dir(args.baselines, Path.cwd(), dict(os.environ), args.rootdir)
+    except (inifile.IniError, settings.SettingsError) as exc:
+        print(f"gpumem show: {exc}", file=sys.stderr)
+        return 2
+    return _show(directory, args.test)
 
 
 if __name__ == "__main__":

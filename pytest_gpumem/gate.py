@@ -14,8 +14,8 @@ from .baseline import BaselineError, BaselineStore, Entry, host_provenance
 from .explain import config_provenance, provenance_diff, timeline_lines
 from .report import record
 from .runner import SizeRun, TestRun
-from .settings import Settings
 from .sampling.allocations import is_allocation_method
+from .settings import Settings
 from .verdict import BaselineRef, SizeResult, Verdict, judge
 
 
@@ -199,7 +199,8 @@ def _driver_change(stored: dict[int, Entry], provenance: dict[str, str]) -> str 
     if old is None:
         return None
     moved = [f"{key} {old[key]} -> {provenance.get(key, '(unknown)')}"
-             for key in ("nvidia_driver", "cuda_driver", "torch_cuda") if key in old and old[key] != provenance.get(key)]
+             for key in ("nvidia_driver", "cuda_driver", "torch_cuda")
+             if key in old and old[key] != provenance.get(key)]
     if not moved:
         return None
     return (f"gpumem: the GPU software differs from the baseline's ({'; '.join(moved)}): the CUDA context, "

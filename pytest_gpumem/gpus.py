@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .leases import GpuLeases, LeaseError
@@ -32,12 +33,12 @@ class GpuPlanner:
         self.interval_s = interval_s or DEFAULT_INTERVAL_S
 
     @classmethod
-    def for_this_machine(cls, lease_dir, wait_s: float, interval_s: float | None) -> "GpuPlanner":
+    def for_this_machine(cls, lease_dir: Path, wait_s: float, interval_s: float | None) -> "GpuPlanner":
         gpus = visible_gpus()
         return cls(GpuLeases(lease_dir, gpus, wait_s) if gpus else None, interval_s)
 
     @classmethod
-    def lazy(cls, lease_dir, wait_s: float, interval_s: float | None) -> Callable[[Spec, int, str], GpuPlan]:
+    def lazy(cls, lease_dir: Path, wait_s: float, interval_s: float | None) -> Callable[[Spec, int, str], GpuPlan]:
         """Look for GPUs at the first launch, not when pytest starts: a session that launches
         nothing (no --gpumem) never touches NVML."""
         planner: list[GpuPlanner] = []
@@ -57,6 +58,7 @@ class GpuPlanner:
             if spec.device == "auto" and have == 0:
                 return GpuPlan()  # a machine without GPUs: host memory is what counts
             return GpuPlan(skip_reason=f"needs {nproc} GPU(s) for nproc={nproc} but this machine has {have}")
+        assert self.leases is not None  # have > 0
         try:
             lease = self.leases.acquire(nproc, owner)
         except LeaseError as exc:

@@ -10,7 +10,6 @@ owns its timeout: neither launcher has one, and a rank stuck in a collective wai
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -22,11 +21,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from types import FrameType
+from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
-from .rank import LAUNCH_ID_ENV, WORKDIR_ENV, rank_file
+from . import protocol
+from .rank import LAUNCH_ID_ENV, WORKDIR_ENV
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -48,6 +49,7 @@ class LaunchRequest:
     cwd: Path
     workdir: Path                   # private folder of this launch (logs, pids, results)
     timeout: float
+    nnodes: int | None = None       # srun only: spread the ranks over this many nodes
 
 
 @dataclass
@@ -62,16 +64,16 @@ class LaunchResult:
     duration_s: float = 0.0
     stacks: dict[int, str] = field(default_factory=dict)
     leftovers: list[int] = field(default_factory=list)
+    nodes: dict[int, str] = field(default_factory=dict)  # srun: the node of each rank
+    problems: list[str] = field(default_factory=list)    # what the launcher itself found wrong
+    results: dict[int, protocol.RankResult] = field(default_factory=dict)  # each rank's test outcome
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
         (~35 of them: they pushed "Fatal Python error: Segmentation fault" and the test's own
         frame out of the 40 lines shown)."""
-        try:
-            text = rank_file(workdir, rank, "log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(_user_frames(text).splitlines()[-lines:])
+        text = protocol.read_tail(workdir, rank, "log")
+        return "\n".join(_user_frames(text).splitlines()[-lines:]) if text else ""
 
 
 def free_port() -> int:
@@ -152,13 +154,14 @@ class Launch:
         self.launch_id = uuid.uuid4().hex
         self._procs: list[subprocess.Popen] = []
         self._seen: dict[int, psutil.Process] = {}
+        self._results: dict[int, protocol.RankResult] = {}
 
     def run(self) -> LaunchResult:
         req = self.request
         req.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = rank_environment(os.environ, req, self.launch_id)
         port = free_port()
-        command = launcher_command(req, port)
+        command = self._command(port)
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command)
         log = open(req.workdir / "launcher.log", "wb")
         start = time.monotonic()
@@ -180,12 +183,17 @@ class Launch:
                 result.leftovers = self._cleanup()
                 log.close()
                 self._collect_exit_codes(result)
+                self._read_results()
+                result.results = dict(self._results)
             finally:
                 # A held SIGTERM/SIGHUP ends pytest right here: nobody will read the launch's folder.
                 guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
         return result
 
-    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log) -> None:
+    def _command(self, port: int) -> list[str]:
+        return launcher_command(self.request, port)
+
+    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> None:
         proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -220,23 +228,24 @@ class Launch:
                 return
             time.sleep(_TICK_S)
 
-    def _rank_reported_failure(self) -> bool:
+    def _read_results(self) -> None:
+        """Each rank's result, parsed once: it is written whole, once, when the rank's test ends."""
         for rank in range(self.request.nproc):
-            path = rank_file(self.request.workdir, rank, "result")
-            try:
-                if path.exists() and json.loads(path.read_text()).get("outcome") == "failed":
-                    return True
-            except (OSError, ValueError):
-                continue
-        return False
+            if rank not in self._results:
+                found = protocol.read_result(self.request.workdir, rank)
+                if found is not None:
+                    self._results[rank] = found
+
+    def _rank_reported_failure(self) -> bool:
+        self._read_results()
+        return any(r.outcome == "failed" for r in self._results.values())
 
     def _discover(self, result: LaunchResult) -> None:
         for rank in range(self.request.nproc):
             if rank in result.pids:
                 continue
-            try:
-                pid = json.loads(rank_file(self.request.workdir, rank, "hello").read_text())["pid"]
-            except (OSError, ValueError, KeyError):
+            pid = protocol.read_hello_pid(self.request.workdir, rank)
+            if pid is None:
                 continue
             result.pids[rank] = pid
             self._remember(pid)
@@ -266,10 +275,7 @@ class Launch:
                 pass
         time.sleep(_STACK_DUMP_WAIT_S)
         for rank in result.pids:
-            try:
-                text = rank_file(self.request.workdir, rank, "stack").read_text(errors="replace")
-            except OSError:
-                continue
+            text = protocol.read_tail(self.request.workdir, rank, "stack")
             if text.strip():
                 result.stacks[rank] = _user_frames(text)
 
@@ -283,8 +289,8 @@ class Launch:
         for proc in self._procs:
             _signal_group(proc.pid, signal.SIGTERM)
         others = [p for p in self._alive(self._seen.values()) + self._strays() if p.pid not in own]
-        for proc in others:
-            _signal(proc, signal.SIGTERM)
+        for other in others:
+            _signal(other, signal.SIGTERM)
         deadline = time.monotonic() + _TERM_GRACE_S
         for proc in self._procs:
             try:
@@ -297,8 +303,8 @@ class Launch:
             if proc.poll() is None:
                 proc.kill()
         alive = alive + [p for p in self._strays() if p.pid not in own]
-        for proc in alive:
-            _signal(proc, signal.SIGKILL)
+        for stray in alive:
+            _signal(stray, signal.SIGKILL)
         for proc in self._procs:
             try:
                 proc.wait(timeout=_TERM_GRACE_S)
@@ -368,11 +374,11 @@ class _SignalGuard:
 
     def __init__(self) -> None:
         self._main = threading.current_thread() is threading.main_thread()
-        self._saved: dict[int, object] = {}
+        self._saved: dict[int, Any] = {}  # signal number -> the handler found
         self._holding = False
         self.held: list[int] = []
 
-    def _set(self, sig: int, handler) -> None:
+    def _set(self, sig: int, handler: Any) -> None:
         if sig not in self._saved and signal.getsignal(sig) is None:
             return  # a handler installed from C: Python could not put it back, leave it alone
         old = signal.signal(sig, handler)
@@ -386,7 +392,7 @@ class _SignalGuard:
             if now is (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL):
                 self._set(sig, self._interrupt)
 
-    def _interrupt(self, signum: int, frame) -> None:
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         self.hold()  # a second signal must not cut the cleanup short
         if signum == signal.SIGINT:
             raise KeyboardInterrupt

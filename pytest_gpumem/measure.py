@@ -6,7 +6,8 @@
 No pytest: a script-mode :class:`Spec` (``script=``/``module=``, ``args=``) goes through the same
 :class:`Runner` as a test, so the numbers, the timeout, the temporary folder and the killing of
 every process are the test's own; sizes above the cap are predicted as in a test. The report and
-the Markdown are the plugin's formats (``gpumem diff`` reads the report). Exit 0 when every launch
+the Markdown are the plugin's formats (``gpumem diff`` reads the report). Unset options come from
+``GPUMEM_*`` and the ini file, as in a test session. Exit 0 when every launch
 succeeded, 1 when one failed (its output is printed), 2 on bad arguments.
 """
 
@@ -20,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .settings import SettingsError, option, resolve
+from . import inifile
+from .settings import OPTIONS, SettingsError, option, resolve
 from .spec import DEVICES, LAUNCHERS, SpecError, parse_marker
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
@@ -117,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc))
     given = {"launcher": args.launcher, "device": args.device, "timeout": args.timeout,
              "max_nproc": args.max_nproc, "predict": "0" if args.no_predict else None}
-    try:  # unset options come from GPUMEM_* like the plugin's; a bad one names its variable
-        settings = resolve(given, os.environ, {}, rootdir=cwd, enabled=True, refresh=False)
-    except SettingsError as exc:
+    try:  # unset options come from GPUMEM_*, then the ini file pytest would use here, as the plugin's
+        setup = inifile.find(cwd)
+        settings = resolve(given, os.environ, {o.name: setup.values.get(o.ini) for o in OPTIONS},
+                           rootdir=setup.rootdir, enabled=True, refresh=False)
+    except (inifile.IniError, SettingsError) as exc:
         return _fail(str(exc))
     try:
         spec = parse_marker((), {"nproc": list(args.nproc), "rank": args.rank, "max_ratio": None,
@@ -164,6 +168,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         cwd=Path.cwd(), rootdir=Path.cwd(), rank_pytest_args=_no_pytest,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
         host_interval_s=interval, floor=settings.floor, gpu_sampler=settings.gpu_sampler,
+        rank_env=settings.rank_env(),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

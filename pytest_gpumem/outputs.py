@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .spec import SpecError, Tolerance, parse_tolerance
+from .spec import DEFAULT_TOLERANCE, SpecError, Tolerance, parse_tolerance
+from .verdict import against_reference
 
 Record = Mapping[str, Any]
 
 SCHEMA = 1
-DEFAULT_TOLERANCE = "5%+32MiB"  # gpumem_tolerance's default: used when a record names none
 COMMENT_LIMIT = 60_000  # a GitHub comment holds 65,536 characters; leave room for a header
 
 # Regressions first: what a reviewer must act on, then what the test author expected, then the rest.
@@ -187,7 +187,9 @@ def markdown(records: Iterable[Record], *, max_chars: int = COMMENT_LIMIT) -> st
             break
         kept.append(row)
         used += len(row) + 1
-    omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report | | | | | | |"] if len(kept) < len(rows) else []
+    omitted = []
+    if len(kept) < len(rows):
+        omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report | | | | | | |"]
     text = "\n".join(head + _TABLE_HEAD + kept + omitted + tail) + "\n"
     return text if len(text) <= max_chars else text[: max_chars - 2] + "…\n"
 
@@ -409,13 +411,13 @@ def _diff_row(key: tuple[str, int], old: tuple[Record, Mapping[str, Any]] | None
     if old_mib is None or new_mib is None:
         return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
     tolerance = _tolerance_of(new_rec, override)
-    allowance = tolerance.allowance(old_mib)
-    kind = "regression" if new_mib > old_mib + allowance else "improved" if new_mib < old_mib - allowance else "unchanged"
+    kind, allowance = against_reference(new_mib, old_mib, tolerance)  # the baseline gate's own rule
     return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device)
 
 
 def compare(old: Iterable[Record], new: Iterable[Record], tolerance: Tolerance | str | None = None) -> ReportDiff:
-    """Per (test, nproc): gated peak old -> new; a regression is new > old + tolerance.allowance(old).
+    """Per (test, nproc): gated peak old -> new, judged by the baseline gate's rule
+    (:func:`verdict.against_reference`): a regression is new > old + tolerance.allowance(old).
 
     ``tolerance=None`` uses each test's own tolerance (from the new report), as its baseline check
     does. Sizes in only one report are ``added``/``removed``; a size whose gated device changed

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import pytest
 
+from . import protocol
 from . import settings as settings_mod
-from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, rank_file, start_torch_history, write_json_atomic
+from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
 from .spec import Spec, SpecError, parse_marker
 
-# Every rank loads this plugin too and needs only RankSide: the parent's machinery (runner, gate,
-# NVML, baselines, outputs) is imported where the parent uses it. Measured: ~60 ms less per rank.
+if TYPE_CHECKING:
+    from .gate import Gate
+    from .runner import Runner
+    from .scaling import Capacity
+
+# Nothing paid when unused: every pytest session where the plugin is installed imports this module,
+# and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
+# leases, baselines, psutil, filelock) is imported at the first gpumem test that runs, the outputs
+# only when there is something to write. `make bench` measures the cost (benchmarks/startup.py).
 
 gpumem = pytest.mark.gpumem
 """``from pytest_gpumem import gpumem`` is this marker."""
@@ -30,7 +38,7 @@ _RECORD_KEY = "gpumem"
 _MARKER_DOC = (
     "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
     "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=(), "
-    "config=None): "
+    "config=None, nnodes=None): "
     "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
 )
 
@@ -44,13 +52,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for opt in settings_mod.OPTIONS:
         flag_only = {"action": "store_const", "const": opt.const} if opt.const is not None else {}
         group.addoption(opt.flag, dest=f"gpumem_{opt.name}", default=None, help=opt.help, **flag_only)
-        parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default})", default=None)
+        parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default_text})", default=None)
+
+
+def unsupported_platform(platform: str | None = None) -> str | None:
+    """Why gpumem tests cannot run here, or None on Linux (ranks read /proc and use prctl)."""
+    platform = sys.platform if platform is None else platform
+    if platform.startswith("linux"):
+        return None
+    return f"pytest-gpumem runs on Linux only (it reads /proc and uses prctl); this is {platform}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_DOC)
     if os.environ.get(WORKDIR_ENV):
-        config.pluginmanager.register(RankSide(config, Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
+        config.pluginmanager.register(RankSide(Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
         return
     try:
         resolved = settings_mod.resolve(
@@ -99,7 +115,7 @@ def _check_rootdir(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def gpumem_config(request: pytest.FixtureRequest):
+def gpumem_config(request: pytest.FixtureRequest) -> Callable[[dict[str, Any]], None]:
     """Record the settings that move memory (``gpumem_config({"activation_checkpoint": True})``).
 
     Inside a rank they are stored with the baseline and, when they differ from it, listed first
@@ -119,27 +135,29 @@ class GpumemWarning(UserWarning):
 class GpumemItem(pytest.Item):
     """Stands in for a marked test in the user's session: running it launches the ranks."""
 
-    def __init__(self, *, spec: Spec, original: pytest.Item, **kwargs: Any) -> None:
+    def __init__(self, *, spec: Spec, original: pytest.Item, side: ParentSide, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
         self.original = original
+        self.side = side
         self.own_markers = list(original.own_markers)
         self.keywords.update(original.keywords)
 
     def runtest(self) -> None:
-        self.config.pluginmanager.get_plugin("gpumem-parent").run_item(self)
+        self.side.run_item(self)
 
-    def reportinfo(self):
+    def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.original.reportinfo()
 
-    def repr_failure(self, excinfo, style=None):
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> Any:
         if isinstance(excinfo.value, GpumemFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(collector, name, obj):
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Generator[None, Any, Any]:
     """Validate marker arguments as the test is collected, so a typo is a collection error.
 
     Every bad marker of a module is named: they are gathered here and raised together when the
@@ -163,11 +181,11 @@ def pytest_pycollect_makeitem(collector, name, obj):
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector):
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
     report = yield
     parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
     bad = parent.bad_markers.pop(collector.nodeid, None) if parent is not None else None
-    if bad:
+    if parent is not None and bad:
         # The module's report fails, so pytest will not collect the classes in it: look inside them
         # now, so that their bad markers are named in the same report.
         for child in report.result or []:
@@ -187,46 +205,60 @@ class ParentSide:
     """The user's session: skips without --gpumem, launches with it, prints the table."""
 
     def __init__(self, config: pytest.Config, resolved: settings_mod.Settings) -> None:
-        from .baseline import BaselineStore
-        from .gate import Gate
-        from .gpus import GpuPlanner
-        from .leases import default_lease_dir
-        from .runner import Runner
-        from .sampling.nvml import visible_gpus
-        from .scaling import Capacity
-
         self.config = config
         self.settings = resolved
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[dict[str, Any]] = []
-        interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
-        self.gate = Gate(resolved, BaselineStore(resolved.baselines))
         self.is_worker = hasattr(config, "workerinput")
-        self.runner = Runner(
-            cwd=Path(config.invocation_params.dir),
-            rootdir=Path(config.rootpath),
-            rank_pytest_args=self.rank_pytest_args,
-            gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
-            host_interval_s=interval,
-            snapshot_dir=resolved.torch_snapshot,
-            floor=resolved.floor,
-            gpu_sampler=resolved.gpu_sampler,
-        )
-        self.capacity = Capacity(resolved.max_nproc, resolved.predict, lambda: len(visible_gpus()))
+        self._machinery: tuple[Gate, Runner] | None = None
+        self._capacity: Capacity | None = None
+
+    def machinery(self) -> tuple[Gate, Runner]:
+        """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
+        if self._machinery is None:
+            from .baseline import BaselineStore
+            from .gate import Gate
+            from .gpus import GpuPlanner
+            from .leases import default_lease_dir
+            from .runner import Runner
+            from .slurm import SlurmOptions
+
+            resolved = self.settings
+            interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
+            runner = Runner(
+                cwd=Path(self.config.invocation_params.dir),
+                rootdir=Path(self.config.rootpath),
+                rank_pytest_args=self.rank_pytest_args,
+                gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
+                host_interval_s=interval,
+                snapshot_dir=resolved.torch_snapshot,
+                rank_env=resolved.rank_env(),
+                floor=resolved.floor,
+                gpu_sampler=resolved.gpu_sampler,
+                slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
+            )
+            self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
+        return self._machinery
 
     @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, session, config, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
         for index, item in enumerate(items):
             spec = self.specs.get(item.nodeid)
             if spec is None:
+                continue
+            unsupported = unsupported_platform()
+            if unsupported is not None:
+                item.add_marker(pytest.mark.skip(reason=f"gpumem test: {unsupported}"))
                 continue
             if not self.settings.enabled:
                 sizes = ", ".join(map(str, spec.sizes))
                 item.add_marker(pytest.mark.skip(
                     reason=f"gpumem test (launches nproc {sizes}): run with pytest --gpumem"))
                 continue
-            items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item)
+            assert item.parent is not None  # a test item always has its module or class
+            items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item, side=self)
 
     def rank_pytest_args(self, test_id: str) -> list[str]:
         """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games."""
@@ -246,7 +278,13 @@ class ParentSide:
     def run_item(self, item: GpumemItem) -> None:
         from . import outputs, scaling
 
-        outcome = self.gate.evaluate(scaling.run(self.runner, item.nodeid, item.spec, self.capacity))
+        gate, runner = self.machinery()
+        if self._capacity is None:  # GPUs are counted at the first test whose sizes may pass them
+            from .sampling.nvml import visible_gpus
+
+            self._capacity = scaling.Capacity(self.settings.max_nproc, self.settings.predict,
+                                              lambda: len(visible_gpus()))
+        outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity))
         item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record)))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:
@@ -254,10 +292,11 @@ class ParentSide:
         if outcome.failure is not None:
             raise GpumemFailed(outcome.failure)
         for text in outcome.warnings:
-            warnings.warn(GpumemWarning(text))
+            item.warn(GpumemWarning(text))  # reported at the test's own file and line
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+    def pytest_runtest_makereport(self, item: pytest.Item,
+                                  call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """The whole record travels on the call report (to the xdist controller), not into junit.xml."""
         report = yield
         if call.when == "teardown":
@@ -269,16 +308,15 @@ class ParentSide:
             return
         for key, value in report.user_properties:
             if key == _RECORD_KEY:
-                rec = json.loads(value)
+                rec = json.loads(str(value))
                 if hasattr(report, "wasxfail"):
                     rec["status"] = "XFAIL" if report.skipped else "XPASS"
                 self.records.append(rec)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        from .report import refresh_lines, table
-
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
+        from .report import refresh_lines, table
         records = sorted(self.records, key=lambda r: r["test"])
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
@@ -296,11 +334,11 @@ class ParentSide:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """The controller writes each output once, covering every xdist worker."""
-        from . import outputs, plots
-
-        if self.is_worker:
-            return
         s, records = self.settings, sorted(self.records, key=lambda r: r["test"])
+        if self.is_worker or not (records or s.report is not None or s.benchmark_json is not None):
+            return
+        from . import outputs
+
         if s.report is not None:
             _write(s.report, json.dumps({"schema": 1, "tests": records}, indent=2) + "\n")
         if s.benchmark_json is not None:
@@ -315,6 +353,8 @@ class ParentSide:
             with open(summary, "a") as handle:
                 handle.write(text + "\n")
         if s.plots is not None:
+            from . import plots
+
             plots.plot_all(records, s.plots)
 
 
@@ -326,10 +366,10 @@ def _write(path: Path, text: str) -> None:
 class RankSide:
     """Inside a rank: run the test normally and write its outcome for the parent."""
 
-    def __init__(self, config: pytest.Config, workdir: Path) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.rank = int(os.environ.get("RANK", "0"))
-        self.outcome: dict[str, str] | None = None
+        self.outcome: protocol.RankResult | None = None
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -342,27 +382,25 @@ class RankSide:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self._set("skipped", reason)
         elif report.passed and report.when == "call" and self.outcome is None:
-            self.outcome = {"outcome": "passed", "text": ""}
+            self.outcome = protocol.RankResult("passed")
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
         """With --gpumem-torch-snapshot: the CUDA allocator's history of this rank, dumped after the body."""
         recording = start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
         try:
             return (yield)
         finally:
             if recording is not None:
-                recording.cuda.memory._dump_snapshot(str(rank_file(self.workdir, self.rank, "snapshot")))
+                recording.cuda.memory._dump_snapshot(str(protocol.rank_file(self.workdir, self.rank, "snapshot")))
                 recording.cuda.memory._record_memory_history(enabled=None)
 
     def _set(self, outcome: str, text: str) -> None:
-        if self.outcome is None or self.outcome["outcome"] != "failed":
-            self.outcome = {"outcome": outcome, "text": text}
+        if self.outcome is None or self.outcome.outcome != "failed":
+            self.outcome = protocol.RankResult(outcome, text)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        outcome = self.outcome or {
-            "outcome": "failed",
-            "text": f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
-                    "was the test id collected the same way inside the rank?",
-        }
-        write_json_atomic(rank_file(self.workdir, self.rank, "result"), outcome)
+        outcome = self.outcome or protocol.RankResult(
+            "failed", f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
+                      "was the test id collected the same way inside the rank?")
+        protocol.write_result(self.workdir, self.rank, outcome)

@@ -237,9 +237,9 @@ def _fit(pts: tuple[tuple[int, float], ...], models: Sequence[Model]) -> Fit:
         coefficients = least_squares(LINEAR, pts)
         assert coefficients is not None  # two distinct sizes determine a line
         reason = "two sizes: only the line through them"
-        candidates = tuple(Candidate(m, None, "" if m is LINEAR else reason) for m in models)
-        return Fit(LINEAR, coefficients, pts, None, candidates)
-    candidates = []
+        return Fit(LINEAR, coefficients, pts, None,
+                   tuple(Candidate(m, None, "" if m is LINEAR else reason) for m in models))
+    candidates: list[Candidate] = []
     for model in models:
         if len(pts) <= model.params:
             candidates.append(Candidate(model, None, f"needs {model.params + 1} sizes to be judged"))

@@ -12,58 +12,49 @@ versions of the frameworks it imported.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import faulthandler
-import json
 import os
-import resource
-import runpy
 import signal
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from .baseline import host_provenance
-from .boxing import install_graph_hook, rank_provenance
-from .rendezvous import install_oneflow_gate
-from .sampling.allocations import METHOD as ALLOC_METHOD
-from .sampling.allocations import AllocationTracker
+from . import protocol
+
+if TYPE_CHECKING:
+    from .sampling.allocations import AllocationTracker
+    from .sampling.nvml import NvmlSampler
+
+# Light on purpose: plugin.py imports this module in every pytest session (for the names above),
+# so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
-BOXING_ENV = "GPUMEM_BOXING"  # "0" turns the OneFlow nn.Graph boxing audit off
-TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # "0": no allocation tracking; host figures fall back to VmHWM
+# Rank-side switches, declared in settings.OPTIONS (gpumem_boxing, gpumem_fast_exit): the user's
+# session resolves them and sets them in the ranks' environment as "1" or "0".
+BOXING_ENV = "GPUMEM_BOXING"  # off: no OneFlow nn.Graph boxing audit
+FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's full teardown
+TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figures fall back to VmHWM
 GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
 GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
-FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # "0": ranks end through the interpreter's full teardown
 
 
-def rank_file(workdir: Path, rank: int, kind: str) -> Path:
-    """``hello`` (pid), ``log`` (output), ``stack`` (dump on hang), ``exit`` (peaks), ``memray`` (allocation capture), ``result`` (test
-    outcome), ``config`` (declared settings), ``boxing`` (nn.Graph SBP conversions), ``snapshot``."""
-    return workdir / f"rank-{rank}.{kind}"
+def switched_off(name: str) -> bool:
+    """A rank-side switch set to 0/false/no/off (a marker's ``env`` may spell it any of these ways)."""
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
 
 
-def write_json_atomic(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def declare_config(settings: dict) -> None:
+def declare_config(settings: dict[str, object]) -> None:
     """Inside a rank: record settings that move memory (the ``gpumem_config`` fixture); elsewhere a no-op."""
     workdir = os.environ.get(WORKDIR_ENV)
-    if not workdir:
-        return
-    path = rank_file(Path(workdir), int(os.environ.get("RANK", "0")), "config")
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update({str(k): v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
-                    for k, v in settings.items()})
-    write_json_atomic(path, current)
+    if workdir:
+        protocol.update_config(Path(workdir), int(os.environ.get("RANK", "0")), settings)
 
 
-def start_torch_history():
+def start_torch_history() -> ModuleType | None:
     """torch, when it is installed and has a GPU; the history must start before the body allocates."""
     try:
         import torch
@@ -114,11 +105,13 @@ def peak_rss_kib() -> float:
                 return float(line.split()[1])
     except OSError:
         pass
+    import resource  # POSIX only; not reached on Linux
+
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss / 1024 if sys.platform == "darwin" else float(maxrss)  # bytes on macOS
 
 
-def _start_gpu_sampler():
+def _start_gpu_sampler() -> "NvmlSampler | None":
     """This rank's own GPU figure, sampled by a thread in the rank (for launches whose ranks the
     parent cannot see, e.g. on other nodes): NVML's per-process figure for our PID, same methods."""
     from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
@@ -134,24 +127,26 @@ def _start_gpu_sampler():
     return sampler
 
 
-def _gpu_report(sampler) -> dict:
+def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
     if sampler is None:
         return {}
     sampler.stop()
     peak = sampler.peaks()[0]
     return {"gpu_peak_mib": peak.mib, "gpu_method": f"{peak.method}, in the rank",
-            "gpu_problems": list(sampler.problems)}
+            "gpu_name": sampler.devices[0].name, "gpu_problems": list(sampler.problems)}
 
 
-def _report_exit(workdir: Path, rank: int, tracker: AllocationTracker, gpu_sampler) -> None:
+def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None") -> None:
+    from .baseline import host_provenance
+    from .boxing import rank_provenance
+    from .sampling.allocations import METHOD as ALLOC_METHOD
+
     alloc_mib = tracker.stop()
-    write_json_atomic(
-        rank_file(workdir, rank, "exit"),
-        {"pid": os.getpid(), "maxrss_kib": peak_rss_kib(), **_gpu_report(gpu_sampler),
-         "alloc_peak_mib": alloc_mib, "alloc_method": ALLOC_METHOD, "alloc_problem": tracker.problem,
-         "provenance": {**host_provenance(os.environ), **framework_versions(),
-                        **rank_provenance(rank_file(workdir, rank, "boxing"))}},
-    )
+    provenance = {**host_provenance(os.environ), **framework_versions(),
+                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
+    protocol.write_exit(workdir, rank, protocol.ExitReport(
+        pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
+        alloc_problem=tracker.problem, provenance=provenance, **_gpu_report(gpu_sampler)))
 
 
 def _die_with_parent() -> None:
@@ -162,6 +157,8 @@ def _die_with_parent() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
+    import ctypes
+
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -180,10 +177,10 @@ def _exit_fast(code: object) -> None:
     measured here 150-500 ms per rank, which the kernel does anyway. ``GPUMEM_FAST_EXIT=0`` keeps
     the normal exit.
     """
-    if os.environ.get(FAST_EXIT_ENV, "1") == "0":
+    if switched_off(FAST_EXIT_ENV):
         raise SystemExit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)
-    threading._shutdown()  # noqa: SLF001 - what Py_Finalize does first
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - what Py_Finalize does first
     atexit._run_exitfuncs()  # noqa: SLF001 - then this
     sys.stdout.flush()
     sys.stderr.flush()
@@ -206,21 +203,28 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
         raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module|exec TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
+    import runpy
+
+    from . import baseline  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
+    from .boxing import install_graph_hook
+    from .rendezvous import install_oneflow_gate
+    from .sampling.allocations import AllocationTracker
+
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = int(os.environ.get("RANK", "0"))
 
-    _redirect_output(rank_file(workdir, rank, "log"))
-    stack_file = open(rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
+    _redirect_output(protocol.rank_file(workdir, rank, "log"))
+    stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported
-    if os.environ.get(BOXING_ENV, "1") != "0":  # costs nothing until oneflow is imported
-        install_graph_hook(rank_file(workdir, rank, "boxing"))
-    tracker = AllocationTracker(rank_file(workdir, rank, "memray"))
-    if os.environ.get(TRACK_ENV, "1") != "0":
+    if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
+        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
+    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"))
+    if not switched_off(TRACK_ENV):
         tracker.start()  # before the target imports anything: the frameworks' own allocations count
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
-    write_json_atomic(rank_file(workdir, rank, "hello"), {"pid": os.getpid()})
+    protocol.write_hello(workdir, rank)
     atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler)  # runs last: after the frameworks' shutdown
 
     if mode == "pytest":

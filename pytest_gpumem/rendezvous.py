@@ -14,6 +14,8 @@ import importlib.machinery
 import os
 import sys
 import time
+from types import ModuleType
+from typing import Any, Mapping, Sequence
 
 _TARGET = "oneflow.framework.env_util"
 WAIT_LIMIT_S = 60.0
@@ -42,7 +44,8 @@ def _wait_for_master() -> None:
 class _Gate(importlib.abc.MetaPathFinder):
     """Wraps ``env_util.GetEnv`` as the module is loaded: the first call waits for rank 0."""
 
-    def find_spec(self, name, path, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != _TARGET:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -50,21 +53,21 @@ class _Gate(importlib.abc.MetaPathFinder):
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_and_wrap(module):
+        def exec_and_wrap(module: Any) -> None:  # oneflow's env_util
             exec_module(module)
             get_env = module.GetEnv
 
-            def GetEnv():  # noqa: N802 - OneFlow's name
+            def GetEnv() -> Any:  # noqa: N802 - OneFlow's name
                 _wait_for_master()
                 return get_env()
 
             module.GetEnv = GetEnv
 
-        spec.loader.exec_module = exec_and_wrap
+        spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
         return spec
 
 
-def install_oneflow_gate(env=os.environ) -> bool:
+def install_oneflow_gate(env: Mapping[str, str] = os.environ) -> bool:
     """In a rank > 0 of a local multi-rank launch, before anything imports oneflow."""
     local = env.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost")
     if env.get("RANK", "0") == "0" or int(env.get("WORLD_SIZE", "1")) < 2 or not local:

@@ -35,6 +35,7 @@ def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mappi
             "imbalance": imbalance(result),
             "duration_s": round(result.duration_s, 3),
             "reused": result.reused,
+            "nodes": {str(r): node for r, node in sorted(result.nodes.items())},
             "timeline": [[round(t, 4), {str(r): round(v, 2) for r, v in point.items()}]
                          for t, point in result.timeline],
             "failed": bool(verdict and any(c.world_size == result.world_size for c in verdict.failures)),

@@ -7,22 +7,22 @@ env in script mode).
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
+from . import protocol, slurm
 from .baseline import platform_key
 from .boxing import read_records
-from .gpus import GpuPlan, GpuPlanner
 from .explain import config_provenance
+from .floor import FRAMEWORKS
+from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV, rank_file
-from .sampling import Peak
+from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
+from .sampling import Peak, Sampler
 from .sampling.host import HostSampler
 from .spec import Spec
-from .floor import FRAMEWORKS
 from .verdict import FloorResult, SizeResult
 from .workdirs import make_workdir, sweep_orphans
 
@@ -87,18 +87,20 @@ class Runner:
         rank_pytest_args: Callable[[str], list[str]],
         gpu_setup: GpuSetup = GpuPlanner(None),
         host_interval_s: float | None = None,
-        keep_workdirs: bool = False,
         snapshot_dir: Path | None = None,
         floor: str = "auto",
         gpu_sampler: str = "parent",
+        rank_env: Mapping[str, str] | None = None,
+        slurm_options: slurm.SlurmOptions | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
         self.rank_pytest_args = rank_pytest_args
         self.gpu_setup = gpu_setup
         self.host_interval_s = host_interval_s
-        self.keep_workdirs = keep_workdirs
         self.snapshot_dir = snapshot_dir
+        self.rank_env = dict(rank_env or {})  # the session's rank-side switches; a marker's env wins
+        self.slurm_options = slurm_options or slurm.SlurmOptions()
         self._references: dict[tuple, SizeRun] = {}
         self._swept = False
         self.floor = floor
@@ -128,7 +130,7 @@ class Runner:
                     provenance=reused.provenance,
                 )
             else:
-                plan = self.gpu_setup(spec, nproc, test_id)
+                plan = self._plan(spec, nproc, test_id)
                 if plan.skip_reason is not None:
                     test.skip_reason = plan.skip_reason
                     return test
@@ -157,7 +159,7 @@ class Runner:
                             args=(framework, result.device), device=result.device, nproc=(result.world_size,))
             key = (framework, probe.launch_key(), result.world_size)
             if key not in self._floors:
-                plan = self.gpu_setup(probe, result.world_size, f"{test.test_id} (floor)")
+                plan = self._plan(probe, result.world_size, f"{test.test_id} (floor)")
                 floor_run = self._launch(test.test_id, probe, result.world_size, plan)
                 self._floors[key] = None if floor_run.problems else (framework, floor_run.result)
             found = self._floors[key]
@@ -167,6 +169,19 @@ class Runner:
             framework, measured = found
             run.result = replace(result, floor=FloorResult(
                 framework, {r: p.mib for r, p in measured.peaks.items() if p.mib is not None}))
+
+    def _plan(self, spec: Spec, nproc: int, test_id: str) -> GpuPlan:
+        if spec.launcher == "srun":  # Slurm binds the GPUs; the local leases are for local launches
+            return slurm.plan(spec, nproc)
+        return self.gpu_setup(spec, nproc, test_id)
+
+    def _new_workdir(self, spec: Spec) -> Path:
+        if spec.launcher == "srun":  # on a file system that every node sees
+            return slurm.make_workdir(self.slurm_options)
+        if not self._swept:  # once per session, at the first local launch: nothing paid when unused
+            self._swept = True
+            sweep_orphans()
+        return make_workdir()  # private: mode 0700
 
     def _rank_argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
         if spec.script is not None:
@@ -178,45 +193,52 @@ class Runner:
             return ("module", spec.module, *spec.args)
         return ("pytest", *self.rank_pytest_args(test_id))
 
+    def _in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
+        return spec.launcher == "srun" or (plan.sampler is not None and self.gpu_sampler == "rank")
+
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan) -> SizeRun:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        if not self._swept:  # once per session, at the first launch: nothing paid when unused
-            self._swept = True
-            sweep_orphans()
-        workdir = make_workdir()  # private: mode 0700
+        try:
+            workdir = self._new_workdir(spec)
+        except OSError as exc:
+            return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[str(exc)])
         try:  # the folder goes whatever happens, Ctrl-C included
             return self._launch_in(test_id, spec, nproc, plan, workdir)
         finally:
-            if not self.keep_workdirs:
-                shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path) -> SizeRun:
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
-        samplers = [host] + ([plan.sampler] if plan.sampler is not None else [])
+        samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
         def on_rank(rank: int, pid: int) -> None:
+            if spec.launcher == "srun":  # the PID is on the rank's own host: its exit report counts
+                return
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        snapshot_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}
-        if plan.sampler is not None and self.gpu_sampler == "rank":
-            snapshot_env[GPU_IN_RANK_ENV] = "1"
-            snapshot_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
+        side_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}  # rank-side measurements
+        if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
+            side_env[GPU_IN_RANK_ENV] = "1"
+            if plan.sampler is not None:
+                side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**dict(spec.env), **plan.env, **snapshot_env},
+            env={**self.rank_env, **dict(spec.env), **plan.env, **side_env},
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
+            nnodes=spec.nnodes,
         )
         for sampler in samplers:
             sampler.start()
         try:
-            launch = Launch(request, on_rank).run()
+            launch = self._launcher(request, on_rank).run()
         finally:
             for sampler in samplers:
                 sampler.stop()
@@ -226,6 +248,11 @@ class Runner:
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
 
+    def _launcher(self, request: LaunchRequest, on_rank: Callable[[int, int], None]) -> Launch:
+        if request.launcher == "srun":
+            return slurm.SrunLaunch(request, on_rank, self.slurm_options)
+        return Launch(request, on_rank)
+
     def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
         """Move each rank's torch allocator snapshot out of the launch folder before it goes."""
         if self.snapshot_dir is None:
@@ -233,7 +260,7 @@ class Runner:
         kept = {}
         stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_id)
         for rank in range(nproc):
-            source = rank_file(workdir, rank, "snapshot")
+            source = protocol.rank_file(workdir, rank, "snapshot")
             if source.exists():
                 self.snapshot_dir.mkdir(parents=True, exist_ok=True)
                 target = self.snapshot_dir / f"{stem}-nproc{nproc}-rank{rank}.pickle"
@@ -246,69 +273,65 @@ class Runner:
         gpu = plan.sampler
         provenance: dict[str, str] = {}
         notes: list[str] = []
-        in_rank_gpu: dict[int, tuple[float | None, str]] = {}
+        in_rank_gpu: dict[int, tuple[float | None, str, str | None]] = {}
         exited: set[int] = set()
         for rank in range(nproc):
-            try:
-                data = json.loads(rank_file(workdir, rank, "exit").read_text())
-            except (OSError, ValueError):
+            report = protocol.read_exit(workdir, rank)
+            if report is None:
                 continue
             exited.add(rank)
-            host.report_exit(rank, data.get("maxrss_kib"), data.get("alloc_peak_mib"),
-                             str(data.get("alloc_method", "")))
-            if "gpu_method" in data:
-                in_rank_gpu[rank] = (data.get("gpu_peak_mib"), str(data["gpu_method"]))
-                notes.extend(f"rank {rank} GPU sampler: {p}" for p in data.get("gpu_problems", []))
-            if data.get("alloc_problem"):
-                notes.append(f"rank {rank}: {data['alloc_problem']}; its host figure is resident memory")
+            host.report_exit(rank, report.maxrss_kib, report.alloc_peak_mib, report.alloc_method)
+            if report.gpu_method is not None:
+                in_rank_gpu[rank] = (report.gpu_peak_mib, report.gpu_method, report.gpu_name)
+                notes.extend(f"rank {rank} GPU sampler: {p}" for p in report.gpu_problems)
+            if report.alloc_problem:
+                notes.append(f"rank {rank}: {report.alloc_problem}; its host figure is resident memory")
             if rank == 0:
-                provenance = dict(data.get("provenance", {}))
-        try:  # settings the test declared through the gpumem_config fixture
-            declared = json.loads(rank_file(workdir, 0, "config").read_text())
-            provenance.update(config_provenance(declared))
-        except (OSError, ValueError):
-            pass
+                provenance = dict(report.provenance)
+        # settings the test declared through the gpumem_config fixture
+        provenance.update(config_provenance(protocol.read_config(workdir, 0)))
         host_peaks = host.peaks()
         gpu_peaks: dict[int, Peak] = gpu.peaks() if gpu is not None else {}
-        if self.gpu_sampler == "rank" and gpu is not None:  # each rank's own figure, from its report
-            gpu_peaks = {rank: Peak(mib, method) for rank, (mib, method) in in_rank_gpu.items()}
+        gpu_name = plan.gpu_name
+        if self._in_rank_gpu(spec, plan):  # each rank's own figure, from its report
+            gpu_peaks = {rank: Peak(mib, method) for rank, (mib, method, _) in in_rank_gpu.items()}
+            gpu_name = gpu_name or next((name for _, _, name in in_rank_gpu.values() if name), None)
         use_gpu = spec.device == "gpu" or (
             spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
         )
         peaks = gpu_peaks if use_gpu else host_peaks
         if use_gpu:
             provenance.update(plan.provenance)
-        timeline = (gpu if use_gpu else host).timeline()
+        timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",
-            platform=platform_key("gpu", plan.gpu_name) if use_gpu else platform_key("cpu"),
+            platform=platform_key("gpu", gpu_name or "unknown") if use_gpu else platform_key("cpu"),
             peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
             host_peaks=host_peaks,
             rss_peaks=host.rss_peaks(),
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
+            nodes=dict(launch.nodes),
         )
-        outcomes = self._outcomes(spec, nproc, workdir, launch, exited)
+        outcomes = self._outcomes(spec, nproc, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                       gpu_problems=list(getattr(gpu, "problems", []) or []),
-                      boxings=[b for rec in read_records(rank_file(workdir, 0, "boxing"))
+                      boxings=[b for rec in read_records(protocol.rank_file(workdir, 0, "boxing"))
                                for b in rec.get("boxings", [])])
         run.problems = self._problems(spec, run, workdir)
         return run
 
-    def _outcomes(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
+    def _outcomes(self, spec: Spec, nproc: int, launch: LaunchResult,
                   exited: set[int]) -> dict[int, RankOutcome]:
         outcomes: dict[int, RankOutcome] = {}
         for rank in range(nproc):
             code = launch.returncodes.get(rank)
+            reported = launch.results.get(rank)  # read by the launch, once
             if spec.body_mode:
-                try:
-                    data = json.loads(rank_file(workdir, rank, "result").read_text())
-                    outcomes[rank] = RankOutcome(rank, data["outcome"], data.get("text", ""))
+                if reported is not None:
+                    outcomes[rank] = RankOutcome(rank, reported.outcome, reported.text)
                     continue
-                except (OSError, ValueError, KeyError):
-                    pass
             elif rank in exited and code in (None, 0) and launch.launcher_returncode in (None, 0):
                 outcomes[rank] = RankOutcome(rank, "passed")
                 continue
@@ -325,24 +348,28 @@ class Runner:
             running = sorted(r for r, o in run.outcomes.items() if o.outcome == "missing")
             text = (f"launch timed out after {spec.timeout:g} s at nproc={n} "
                     f"(launcher {launch.launcher}); ranks without a result: {running or 'none'}")
+            nodes = sorted({launch.nodes[r] for r in running if r in launch.nodes})
+            if nodes:
+                text += f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
             for rank, stack in sorted(launch.stacks.items()):
                 text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
             problems.append(text)
         for rank, outcome in sorted(run.outcomes.items()):
             if outcome.outcome == "failed" and spec.body_mode:  # the text is the rank's traceback
-                problems.append(f"rank {rank} of {n} failed:\n{outcome.text.rstrip()}")
+                problems.append(f"{_who(launch, rank)} failed:\n{outcome.text.rstrip()}")
             elif outcome.outcome == "failed":  # a program in script mode: its output says why
                 tail = launch.rank_log(workdir, rank)
-                problems.append(f"rank {rank} of {n} failed ({outcome.text})"
+                problems.append(f"{_who(launch, rank)} failed ({outcome.text})"
                                 + (f"; last lines of its output:\n{tail}" if tail else ""))
             elif outcome.outcome == "missing" and not launch.timed_out:
                 tail = launch.rank_log(workdir, rank)
                 problems.append(
-                    f"rank {rank} of {n} ended without a result ({outcome.text})"
+                    f"{_who(launch, rank)} ended without a result ({outcome.text})"
                     + (f"; last lines of its output:\n{tail}" if tail else "")
                 )
         if launch.leftovers:
             problems.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
+        problems.extend(launch.problems)
         if problems and launch.launcher != "direct":
             log = _tail(workdir / "launcher.log", 15)
             if log:
@@ -350,7 +377,15 @@ class Runner:
         return problems
 
 
+def _who(launch: LaunchResult, rank: int) -> str:
+    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes."""
+    node = launch.nodes.get(rank)
+    return f"rank {rank} of {launch.nproc}" + (f" (node {node})" if node else "")
+
+
 def _exit_text(launch: LaunchResult, rank: int) -> str:
+    if launch.launcher == "srun" and rank in launch.returncodes:  # the task shim saw the rank end
+        return describe_returncode(launch.returncodes[rank])
     if launch.launcher == "direct":
         return describe_returncode(launch.returncodes.get(rank))
     return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"

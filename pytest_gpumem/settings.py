@@ -3,6 +3,8 @@
 Every option is declared once in :data:`OPTIONS`; ``plugin.py`` turns the table into pytest
 options and ini keys, ``cli.py`` reads the same table. A bad value names where it came from:
 ``Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0``.
+The rank-side switches (``GPUMEM_FAST_EXIT``, ``GPUMEM_BOXING``) are in the table too: resolved in
+the user's session like every other setting and handed to the ranks in their environment.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .spec import DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
+from .rank import BOXING_ENV, FAST_EXIT_ENV
+from .spec import DEFAULT_TOLERANCE, DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
 
 
 class SettingsError(ValueError):
@@ -65,18 +68,37 @@ def _max_nproc(text: str) -> int | None:
     return value
 
 
+def _shell_words(text: str) -> tuple[str, ...]:
+    import shlex
+
+    return tuple(shlex.split(text))
+
+
+def _positive_int_or_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("negative")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(text)
 
 
 @dataclass(frozen=True)
 class Option:
-    """One setting, declared once for the command line, the environment and the ini file."""
+    """One setting, declared once for the command line, the environment and the ini file.
+
+    ``shown_default``, when set, is what help texts say instead of the raw ``default`` (an empty
+    default means no file, no folder: the text says what happens then).
+    ``rank_env``: a switch the ranks read from their environment; the resolved value is passed
+    to them under ``env`` as ``1`` or ``0``.
+    """
 
     name: str
     flag: str
@@ -86,7 +108,13 @@ class Option:
     default: str
     accepted: str
     help: str
+    shown_default: str = ""
+    rank_env: bool = False
     const: str | None = None  # a flag that takes no value on the command line and means this value
+
+    @property
+    def default_text(self) -> str:
+        return self.shown_default or self.default
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -103,14 +131,16 @@ OPTIONS: tuple[Option, ...] = (
            _non_negative_float, "0", "a number of MiB >= 0",
            "default MiB allowed on top of the ratio for buffers that exist only when N > 1"),
     Option("tolerance", "--gpumem-tolerance", "GPUMEM_TOLERANCE", "gpumem_tolerance",
-           _tolerance, "5%+32MiB", 'a string like "5%", "256MiB" or "5%+256MiB"',
+           _tolerance, DEFAULT_TOLERANCE, 'a string like "5%", "256MiB" or "5%+256MiB"',
            "default allowed drift above a stored baseline"),
     Option("device", "--gpumem-device", "GPUMEM_DEVICE", "gpumem_device",
            _choice(DEVICES), "auto", "one of " + ", ".join(DEVICES),
            "default memory that is gated: auto (GPU where the ranks use one, host otherwise), gpu, cpu"),
     Option("interval_ms", "--gpumem-interval-ms", "GPUMEM_INTERVAL_MS", "gpumem_interval_ms",
            _positive_float, "0", "a number of milliseconds > 0 (0: each sampler's default)",
-           "sampling period; host peaks come from the kernel's high-water mark whatever the period"),
+           "sampling period of the GPU sampler and of the host RSS timeline; the gated host figure "
+           "(live allocations) is exact whatever the period",
+           shown_default="0: each sampler's own (GPU 2 ms, host 50 ms)"),
     Option("floor", "--gpumem-floor", "GPUMEM_FLOOR", "gpumem_floor",
            _choice(("auto", "on", "off")), "auto", "one of auto, on, off",
            "measure an empty job of the same framework at each size and show floor and job apart "
@@ -127,29 +157,55 @@ OPTIONS: tuple[Option, ...] = (
            "what a test without a baseline does: auto = fail when CI is set, warn otherwise"),
     Option("lease_dir", "--gpumem-lease-dir", "GPUMEM_LEASE_DIR", "gpumem_lease_dir",
            str, "", "a folder path (default: a private folder in the system temp dir)",
-           "folder of the GPU lease locks shared by every pytest process on this host"),
+           "folder of the GPU lease locks shared by every pytest process on this host",
+           shown_default="a private folder in the system temp dir"),
     Option("lease_wait", "--gpumem-lease-wait", "GPUMEM_LEASE_WAIT", "gpumem_lease_wait",
            _positive_float, "600", "a number of seconds > 0",
            "how long a test waits for busy GPUs before it fails"),
     Option("torch_snapshot", "--gpumem-torch-snapshot", "GPUMEM_TORCH_SNAPSHOT", "gpumem_torch_snapshot",
            str, "", "a folder path",
-           "record torch CUDA allocator history in each rank and keep the snapshots of failing tests here"),
+           "record torch CUDA allocator history in each rank and keep the snapshots of failing tests here",
+           shown_default="none: no history recorded"),
     Option("markdown", "--gpumem-markdown", "GPUMEM_MARKDOWN", "gpumem_markdown",
            str, "", "a file path",
-           "write a Markdown summary for a PR comment (also appended to $GITHUB_STEP_SUMMARY when set)"),
+           "write a Markdown summary for a PR comment (also appended to $GITHUB_STEP_SUMMARY when set)",
+           shown_default="none: not written"),
     Option("plots", "--gpumem-plots", "GPUMEM_PLOTS", "gpumem_plots",
-           str, "", "a folder path", "write a memory-over-time PNG per gpumem test (needs matplotlib)"),
+           str, "", "a folder path", "write a memory-over-time PNG per gpumem test (needs matplotlib)",
+           shown_default="none: no plots"),
     Option("benchmark_json", "--gpumem-benchmark-json", "GPUMEM_BENCHMARK_JSON", "gpumem_benchmark_json",
-           str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON"),
+           str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON",
+           shown_default="none: not written"),
+    Option("slurm_dir", "--gpumem-slurm-dir", "GPUMEM_SLURM_DIR", "gpumem_slurm_dir",
+           str, "", "a folder path that every node of the allocation sees",
+           "launcher=srun: where the ranks write their results",
+           shown_default="$SLURM_SUBMIT_DIR/.gpumem-slurm"),
+    Option("srun_args", "--gpumem-srun-args", "GPUMEM_SRUN_ARGS", "gpumem_srun_args",
+           _shell_words, "", 'srun options in one string, e.g. "--gpus-per-task=1 --cpus-per-task=8"',
+           "launcher=srun: extra srun options for every launch (GPU binding, CPUs per task)",
+           shown_default="none"),
+    Option("nnodes", "--gpumem-nnodes", "GPUMEM_NNODES", "gpumem_nnodes",
+           _positive_int_or_zero, "0", "a whole number >= 1 (0: Slurm places the ranks)",
+           "launcher=srun: nodes to spread each launch over (a marker's nnodes wins; never more than nproc)"),
     Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
-           str, "", "a file path", "write a JSON report of every gpumem test to this file"),
+           str, "", "a file path", "write a JSON report of every gpumem test to this file",
+           shown_default="none: not written"),
     Option("max_nproc", "--gpumem-max-nproc", "GPUMEM_MAX_NPROC", "gpumem_max_nproc",
            _max_nproc, "gpus", "an int >= 1, or gpus (the GPUs present)",
-           "largest world size launched; larger nproc sizes are predicted from the launched ones "
-           "(default: the GPUs present where the ranks use GPUs, no cap on host memory)"),
+           "largest world size launched; larger nproc sizes are predicted from the launched ones",
+           shown_default="gpus: the GPUs present where the ranks use GPUs, no cap on host memory"),
     Option("predict", "--gpumem-no-predict", "GPUMEM_PREDICT", "gpumem_predict",
            _bool, "1", "1 or 0 (true/false, on/off)",
-           "skip, instead of predict, nproc sizes above the launch cap", const="0"),
+           "skip, instead of predict, nproc sizes above the launch cap", const="0",
+           shown_default="predict"),
+    Option("fast_exit", "--gpumem-fast-exit", FAST_EXIT_ENV, "gpumem_fast_exit",
+           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
+           "ranks end without the interpreter's teardown once threads and atexit handlers are done "
+           "(off: the full teardown, 150-500 ms more per rank)", rank_env=True),
+    Option("boxing", "--gpumem-boxing", BOXING_ENV, "gpumem_boxing",
+           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
+           "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
+           rank_env=True),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -180,6 +236,11 @@ class Settings:
     plots: Path | None
     benchmark_json: Path | None
     report: Path | None
+    fast_exit: bool
+    boxing: bool
+    slurm_dir: Path | None = None
+    srun_args: tuple[str, ...] = ()
+    nnodes: int = 0
     max_nproc: int | None = None
     predict: bool = True
 
@@ -205,6 +266,11 @@ class Settings:
             except OSError as exc:
                 raise SettingsError(f"gpumem_{name} {str(path)!r}: cannot create {str(folder)!r} "
                                     f"({exc.strerror or exc}); expected a writable path") from None
+
+    def rank_env(self) -> dict[str, str]:
+        """The rank-side switches, as the ranks read them from their environment."""
+        return {option.env: "1" if getattr(self, option.name) else "0"
+                for option in OPTIONS if option.rank_env and option.env}
 
     @property
     def fail_on_missing_baseline(self) -> bool | None:
@@ -249,8 +315,8 @@ def resolve(
         values[option.name] = _parse(option, text, source)
     baselines = Path(values.pop("baselines"))
     texts = {name: values.pop(name) for name in
-             ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json")}
-    paths = {name: Path(text) if text else None for name, text in texts.items()}
+             ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json", "slurm_dir")}
+    paths: dict[str, Any] = {name: Path(text) if text else None for name, text in texts.items()}
     return Settings(
         enabled=enabled,
         refresh=refresh,

@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-LAUNCHERS = ("direct", "oneflow", "torchrun")
+LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 DEVICES = ("auto", "gpu", "cpu")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
+DEFAULT_TOLERANCE = "5%+32MiB"  # gpumem_tolerance's default, and a report's when it names none
 
 
 class SpecError(ValueError):
@@ -72,6 +73,9 @@ def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
     return Tolerance(percent=percent, mib=mib)
 
 
+# Mutation testing (make mutate) covers the tolerance code above; marker validation below is
+# pinned by tests/test_spec.py and tests/test_plugin.py, not by mutants.
+# pragma: no mutate start
 @dataclass(frozen=True)
 class Defaults:
     """Values that the ini file / options supply when the marker leaves them out."""
@@ -80,7 +84,7 @@ class Defaults:
     timeout: float = 600.0
     max_ratio: float | None = None
     allow_mib: float = 0.0
-    tolerance: Tolerance = field(default_factory=lambda: Tolerance(percent=5.0, mib=32.0))
+    tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_TOLERANCE))
     device: str = "auto"
 
 
@@ -102,6 +106,7 @@ class Spec:
     module: str | None = None
     args: tuple[str, ...] = ()
     config: tuple[tuple[str, str], ...] = ()
+    nnodes: int | None = None  # launcher="srun": nodes to spread the ranks over (None: Slurm decides)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -117,7 +122,7 @@ class Spec:
 
     def launch_key(self) -> tuple[Any, ...]:
         """What makes two launches interchangeable (everything but the world size and limits)."""
-        return (self.launcher, self.device, self.env, self.script, self.module, self.args)
+        return (self.launcher, self.device, self.env, self.script, self.module, self.args, self.nnodes)
 
 
 _ARGS = (
@@ -135,6 +140,7 @@ _ARGS = (
     "module",
     "args",
     "config",
+    "nnodes",
 )
 _UNSET = object()
 
@@ -234,6 +240,14 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     ):
         raise SpecError(f"config={config!r} is not accepted: expected a dict of str to str, number, bool or None")
 
+    nnodes = kw.get("nnodes")
+    if nnodes is not None:
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NPROC:
+            raise SpecError(f"nnodes={nnodes!r} is not accepted: expected an int from 1 to {MAX_NPROC}")
+        if launcher != "srun":
+            raise SpecError(f"nnodes={nnodes!r} is not accepted with launcher={launcher!r}: "
+                            "nodes are for launcher='srun' (the other launchers start every rank on this host)")
+
     return Spec(
         nproc=nproc,
         max_mib=max_mib,
@@ -249,4 +263,6 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         module=module,
         args=tuple(raw_args),
         config=tuple(sorted((k, str(v)) for k, v in config.items())),
+        nnodes=nnodes,
     )
+# pragma: no mutate end

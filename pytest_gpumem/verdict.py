@@ -42,6 +42,7 @@ class SizeResult:
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     duration_s: float = 0.0
     reused: bool = False
+    nodes: Mapping[int, str] = field(default_factory=dict)  # launcher=srun: the node of each rank
     prediction: Prediction | None = None  # set: a size above the launch cap, never launched
 
     @property
@@ -79,6 +80,21 @@ class SizeResult:
 class BaselineRef:
     mib: float
     tolerance: Tolerance
+
+
+def against_reference(measured_mib: float, reference_mib: float, tolerance: Tolerance) -> tuple[str, float]:
+    """The one drift rule, for the baseline gate and for ``gpumem diff``: ``(kind, allowance)``.
+
+    ``regression`` when measured > reference + allowance, ``improved`` when measured <
+    reference - allowance, ``unchanged`` otherwise (both limits themselves pass);
+    the allowance is ``tolerance.allowance(reference)``.
+    """
+    allowance = tolerance.allowance(reference_mib)
+    if measured_mib > reference_mib + allowance:
+        return "regression", allowance
+    if measured_mib < reference_mib - allowance:
+        return "improved", allowance
+    return "unchanged", allowance
 
 
 @dataclass(frozen=True)
@@ -159,7 +175,9 @@ class Verdict:
                              f"{result.prediction.mib:.1f}, {result.basis} (not launched)")
                 continue
             ranks = ", ".join(
-                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}" for r, p in sorted(result.peaks.items())
+                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}"
+                + (f" on {result.nodes[r]}" if r in result.nodes else "")
+                for r, p in sorted(result.peaks.items())
             )
             reused = " (reference reused)" if result.reused else ""
             lines.append(
@@ -205,24 +223,25 @@ def judge(
             check("max_mib", spec.max_mib, mib <= spec.max_mib, f"max_mib {spec.max_mib:.1f} MiB")
         if spec.max_ratio is not None and n > 1 and reference is not None:
             limit = spec.max_ratio * reference + spec.allow_mib
+            ratio = f"ratio {mib / reference:.2f}x" if reference > 0 else "no ratio: the nproc=1 peak is 0 MiB"
             check(
                 "max_ratio",
                 limit,
                 mib <= limit,
                 f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
-                f" = {limit:.1f} MiB (ratio {mib / reference:.2f}x)",
+                f" = {limit:.1f} MiB ({ratio})",
             )
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
-            allowance = base.tolerance.allowance(base.mib)
+            kind, allowance = against_reference(mib, base.mib, base.tolerance)
             limit = base.mib + allowance
             check(
                 "baseline",
                 limit,
-                mib <= limit,
+                kind != "regression",
                 f"baseline {base.mib:.1f} MiB + tolerance {base.tolerance} = {limit:.1f} MiB",
             )
-            if mib < base.mib - allowance:
+            if kind == "improved":
                 extra_notes.append(
                     f"{label} at nproc={n}: peak {mib:.1f} MiB is below the baseline "
                     f"{base.mib:.1f} MiB by more than {base.tolerance}; refresh the baseline to tighten it"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -39,3 +40,17 @@ def _not_in_ci(monkeypatch: pytest.MonkeyPatch):
     """The plugin fails missing baselines when CI is set; tests that want that set it themselves."""
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """GPUMEM_FORBID_SKIPS=1 (make test-slurm): a skipped test fails the run, since a skip there
+    means the cluster, or a framework, was not there."""
+    if not os.environ.get("GPUMEM_FORBID_SKIPS"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        reporter.write_line(f"GPUMEM_FORBID_SKIPS: {len(skipped)} test(s) skipped: "
+                            + ", ".join(r.nodeid for r in skipped), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

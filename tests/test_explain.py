@@ -88,3 +88,24 @@ def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
         "gpumem: the GPU software differs from the baseline's (nvidia_driver 550.54.15 -> 580.159.04)")
     same = {1: Entry(800.0, {0: 800.0}, 0, "gpu", "per-pid sampled", dict(test.provenance))}
     assert "GPU software differs" not in explain_failure(test, verdict, [], same)
+
+
+def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():
+    """A failing nn.Graph job whose conversions match its baseline printed the heading with nothing under it."""
+    from pytest_gpumem.baseline import Entry
+    from pytest_gpumem.gate import explain_failure
+    from pytest_gpumem.launch import LaunchResult
+    from pytest_gpumem.runner import SizeRun
+    from pytest_gpumem.verdict import judge
+
+    result = SizeResult(world_size=2, device="cpu", peaks={0: Peak(900.0, "live allocations (memray)")})
+    test = _gpu_test_run({})
+    boxings = [{"src": "P", "dst": "B", "op": "sgd (sgd)", "tensor": "w/grad (64, 16384) float32"}]
+    test.runs.append(SizeRun(result=result, launch=LaunchResult(2, "oneflow", []), outcomes={}, boxings=boxings))
+    verdict = judge(test.spec, [result])
+    stored = {2: Entry(800.0, {0: 800.0}, 0, "cpu", "live allocations (memray)",
+                       {"boxing.graphs": "1", "boxing.P->B": "1"})}
+    text = explain_failure(test, verdict, [], stored)
+    assert ("nn.Graph boxing (SBP conversions) at nproc=2 against the baseline: no new or grown conversions; "
+            "the memory came from elsewhere") in text
+    assert not text.rstrip().endswith("against the baseline:")

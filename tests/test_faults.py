@@ -646,6 +646,10 @@ BAD_VALUES = {
     "interval_ms": "fast",
     "missing_baseline": "maybe",
     "lease_wait": "0",
+    "fast_exit": "sometimes",
+    "boxing": "maybe",
+    "nnodes": "two",
+    "srun_args": '--gpus-per-task="1',  # an unclosed quote
 }
 # Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}

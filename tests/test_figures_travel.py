@@ -120,7 +120,11 @@ def test_gated_figure_holds_across_installs_and_reruns(pytester, monkeypatch, la
         gated = [run[nproc][0] for run in runs.values()]
         hwm = [run[nproc][1] for run in runs.values()]
         summary = {label: run[nproc] for label, run in runs.items()}
-        assert max(gated) - min(gated) <= 1.0, f"nproc={nproc}: gated figure moved: {summary}"
+        # With a peer, the communication threads' short-lived buffers land a little earlier or later
+        # against the main thread's peak: the torch DDP example spread 1.1-1.3 MiB over 13 runs at
+        # nproc=2 (benchmarks/results/figures.txt), 0.2 MiB at nproc=1.
+        allowed = 1.0 if nproc == 1 else 2.0
+        assert max(gated) - min(gated) <= allowed, f"nproc={nproc}: gated figure moved: {summary}"
         # The point of the test: resident memory did move between the installs, the gated figure did not.
         assert abs(runs["copy"][nproc][1] - runs["installed"][nproc][1]) > 1.0, (
             f"nproc={nproc}: VmHWM did not differ between the two copies, so this run shows nothing: {summary}")

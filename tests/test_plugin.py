@@ -297,3 +297,22 @@ def test_train():
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 0 of 2 failed (exit code 1); last lines of its output:*",
                                  "*config file not found: configs/gpt2.py (rank 0)*"])
+
+
+def test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins(pytester, launch_tag):
+    pytester.makeini("[pytest]\ngpumem_boxing = off\n")
+    pytester.makepyfile('''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+def test_session_values():
+    assert (os.environ["GPUMEM_FAST_EXIT"], os.environ["GPUMEM_BOXING"]) == ("0", "0")
+
+@pytest.mark.gpumem(nproc=1, env={"GPUMEM_BOXING": "1"})
+def test_marker_env_wins():
+    assert (os.environ["GPUMEM_FAST_EXIT"], os.environ["GPUMEM_BOXING"]) == ("0", "1")
+''')
+    result = pytester.runpytest("--gpumem", "--gpumem-fast-exit=false", "-p", "no:cacheprovider",
+                                "--gpumem-missing-baseline=ignore")
+    result.assert_outcomes(passed=2)

@@ -59,3 +59,25 @@ def test_every_option_declared_once():
     for attr in ("name", "flag", "ini"):
         values = [getattr(o, attr) for o in OPTIONS]
         assert len(values) == len(set(values))
+
+
+def test_rank_switches_are_settings_handed_to_the_ranks_as_1_or_0():
+    assert settings().rank_env() == {"GPUMEM_FAST_EXIT": "1", "GPUMEM_BOXING": "1"}
+    s = settings(cli={"boxing": "off"}, env={"GPUMEM_FAST_EXIT": "false"}, ini={"boxing": "on"})
+    assert (s.fast_exit, s.boxing) == (False, False)
+    assert s.rank_env() == {"GPUMEM_FAST_EXIT": "0", "GPUMEM_BOXING": "0"}
+    with pytest.raises(SettingsError, match="Invalid gpumem_boxing 'maybe' from the ini file: expected on or off"):
+        settings(ini={"boxing": "maybe"})
+
+
+def test_help_texts_say_what_an_empty_default_means():
+    for option in OPTIONS:
+        assert option.default_text.strip(), f"{option.ini} would print '(default: )'"
+
+
+def test_the_tolerance_default_is_written_once():
+    from pytest_gpumem import spec
+
+    assert settings().tolerance == spec.Defaults().tolerance == spec.parse_tolerance(spec.DEFAULT_TOLERANCE)
+    sources = Path(spec.__file__).parent.rglob("*.py")
+    assert sum(path.read_text().count(f'"{spec.DEFAULT_TOLERANCE}"') for path in sources) == 1

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -41,7 +42,7 @@ def read_status_kib(pid: int) -> tuple[float, float] | None:
 class HostSampler:
     """Samples every rank's resident set and keeps its high-water mark."""
 
-    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic) -> None:
+    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._lock = threading.Lock()

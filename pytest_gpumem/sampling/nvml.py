@@ -345,8 +345,9 @@ class NvmlSampler:
             for t, per_rank, used in self._samples:
                 row = dict(per_rank)
                 for rank, i in by_device.items():
-                    if used[i] is not None and gpus[i].idle is not None:
-                        row[rank] = max(0.0, used[i] - gpus[i].idle)
+                    now, idle = used[i], gpus[i].idle
+                    if now is not None and idle is not None:
+                        row[rank] = max(0.0, now - idle)
                 if row:
                     rows.append((t, row))
             return rows
@@ -416,7 +417,7 @@ class NvmlSampler:
                 try:
                     info = nvml.nvmlDeviceGetMemoryInfo(gpu.handle, version=nvml.nvmlMemory_v2)
                     return info.used / MiB
-                except (*_symbol_missing(nvml), TypeError):
+                except _symbol_missing(nvml) + (TypeError,):
                     self._mem_v2 = False
                     self._note("NVML memory-info v2 is missing: device 'used' read with v1, "
                                "which includes the driver's reservation")

@@ -1,0 +1,283 @@
+"""Every limit pinned at its edge: exactly at the limit passes, just above it fails.
+
+One test per check of ``verdict.judge`` (max_mib, max_ratio + allow_mib, baseline + tolerance, the
+"below the baseline" note) and of ``gpumem diff``, which applies the gate's own rule
+(``verdict.against_reference``). The numbers are exact in binary floating point, so "at the limit"
+is the limit itself; "just above" is 0.01 MiB over (far below any slack a mutant would add).
+``make mutate`` runs mutmut over the code these tests pin.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpumem import cli, outputs
+from pytest_gpumem.sampling import Peak
+from pytest_gpumem.spec import Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.verdict import BaselineRef, SizeResult, against_reference, judge
+
+JUST = 0.01  # MiB
+
+
+def result(n: int, *mibs: float | None) -> SizeResult:
+    return SizeResult(world_size=n, device="cpu", peaks={r: Peak(m, "high-water mark") for r, m in enumerate(mibs)})
+
+
+def spec(**kw: Any):
+    return parse_marker((), kw, Defaults(tolerance=parse_tolerance("5%+32MiB")))
+
+
+def kinds(verdict) -> list[tuple[str, int, bool]]:
+    return [(c.kind, c.world_size, c.ok) for c in verdict.checks]
+
+
+# -- max_mib ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mib, ok", [(999.0, True), (1000.0, True), (1000.0 + JUST, False)])
+def test_max_mib_edge(mib, ok):
+    v = judge(spec(nproc=1, max_mib=1000), [result(1, mib)])
+    assert kinds(v) == [("max_mib", 1, ok)] and v.passed is ok
+    assert v.checks[0].limit_mib == 1000.0
+
+
+def test_max_mib_applies_at_every_size_to_the_gated_rank_only():
+    v = judge(spec(nproc=[1, 2], max_mib=1000), [result(1, 1000.0), result(2, 1000.0, 5000.0)])
+    assert v.passed
+    v = judge(spec(nproc=2, max_mib=1000, rank=1), [result(2, 5000.0, 1000.0 + JUST)])
+    assert kinds(v) == [("max_mib", 2, False)]
+
+
+# -- max_ratio + allow_mib -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "allow, mib, ok",
+    [
+        (0, 1500.0, True),            # 1.5 x 1000 exactly
+        (0, 1500.0 + JUST, False),
+        (64, 1564.0, True),           # 1.5 x 1000 + 64 exactly
+        (64, 1564.0 + JUST, False),
+    ],
+)
+def test_ratio_edge_with_and_without_allowance(allow, mib, ok):
+    v = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=allow), [result(1, 1000.0), result(2, mib)])
+    assert kinds(v) == [("max_ratio", 2, ok)]
+    assert v.checks[0].limit_mib == 1500.0 + allow
+    assert f"= {1500.0 + allow:.1f} MiB (ratio {mib / 1000:.2f}x)" in v.checks[0].detail
+
+
+def test_ratio_is_not_checked_at_nproc_1_nor_without_a_reference():
+    assert kinds(judge(spec(nproc=[1, 2], max_ratio=1.5), [result(1, 1000.0)])) == []
+    assert kinds(judge(spec(nproc=[1, 2], max_ratio=1.5), [result(2, 9999.0)])) == []
+
+
+def test_ratio_against_a_zero_reference_gates_on_the_allowance_without_dividing():
+    at = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0)])
+    above = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0 + JUST)])
+    assert at.passed and not above.passed
+    assert "no ratio: the nproc=1 peak is 0 MiB" in str(above.failures[0])
+    assert at.ratio(2) is None and "2: 64.0 MiB" in at.summary_line()
+
+
+def test_ratio_uses_the_reference_of_the_gated_rank():
+    v = judge(spec(nproc=[1, 2], max_ratio=1.0, rank="all"), [result(1, 1000.0), result(2, 900.0, 1000.0)])
+    assert v.passed
+    v = judge(spec(nproc=[1, 2], max_ratio=1.0, rank="all"), [result(1, 1000.0), result(2, 900.0, 1000.0 + JUST)])
+    assert kinds(v) == [("max_ratio", 2, False)] and "rank 1 (largest)" in str(v.failures[0])
+
+
+# -- baseline + tolerance, and the improvement note -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tolerance, base, limit",
+    [
+        ("5%", 1000.0, 1050.0),
+        ("32MiB", 1000.0, 1032.0),
+        ("5%+32MiB", 1000.0, 1050.0),   # the percentage is larger here
+        ("5%+32MiB", 400.0, 432.0),     # the MiB part is larger here
+        ("1GiB", 1000.0, 2024.0),
+        ("0%", 1000.0, 1000.0),
+    ],
+)
+def test_baseline_edge(tolerance, base, limit):
+    tol = parse_tolerance(tolerance)
+    refs = {2: BaselineRef(base, tol)}
+    at = judge(spec(nproc=2), [result(2, limit)], refs)
+    above = judge(spec(nproc=2), [result(2, limit + JUST)], refs)
+    assert kinds(at) == [("baseline", 2, True)] and kinds(above) == [("baseline", 2, False)]
+    assert at.checks[0].limit_mib == limit
+    assert f"baseline {base:.1f} MiB + tolerance {tol} = {limit:.1f} MiB" in str(above.failures[0])
+
+
+@pytest.mark.parametrize(
+    "tolerance, base, floor",
+    [("5%", 1000.0, 950.0), ("32MiB", 1000.0, 968.0), ("5%+32MiB", 400.0, 368.0), ("0%", 1000.0, 1000.0)],
+)
+def test_improvement_note_edge(tolerance, base, floor):
+    refs = {2: BaselineRef(base, parse_tolerance(tolerance))}
+    at = judge(spec(nproc=2), [result(2, floor)], refs)
+    below = judge(spec(nproc=2), [result(2, floor - JUST)], refs)
+    assert at.passed and below.passed
+    assert at.notes == ()
+    assert len(below.notes) == 1
+    assert f"is below the baseline {base:.1f} MiB by more than {tolerance}; refresh the baseline" in below.notes[0]
+
+
+def test_baselines_only_for_requested_sizes_and_notes_kept():
+    refs = {1: BaselineRef(10.0, Tolerance(percent=0.0)), 2: BaselineRef(1000.0, Tolerance(percent=0.0))}
+    v = judge(spec(nproc=2, max_ratio=2.0), [result(1, 500.0), result(2, 1000.0)], refs, notes=("given",))
+    assert kinds(v) == [("max_ratio", 2, True), ("baseline", 2, True)]  # nproc=1 is only the ratio's reference
+    assert v.notes == ("given",)
+
+
+@pytest.mark.parametrize(
+    "measured, kind",
+    [(1050.0 + JUST, "regression"), (1050.0, "unchanged"), (1000.0, "unchanged"), (950.0, "unchanged"),
+     (950.0 - JUST, "improved")],
+)
+def test_the_one_rule(measured, kind):
+    assert against_reference(measured, 1000.0, Tolerance(percent=5.0)) == (kind, 50.0)
+
+
+# -- gpumem diff: the same rule ---------------------------------------------------------------
+
+
+def report(mib: float, tolerance: str = "5%") -> list[dict[str, Any]]:
+    size = {"nproc": 2, "device": "cpu", "gated_rank": "rank 0", "gated_mib": mib}
+    return [{"test": "t.py::test", "status": "pass", "limits": {"tolerance": tolerance}, "sizes": [size]}]
+
+
+@pytest.mark.parametrize(
+    "new, kind",
+    [(1050.0, "unchanged"), (1050.0 + JUST, "regression"), (950.0, "unchanged"), (950.0 - JUST, "improved")],
+)
+def test_diff_edge(new, kind):
+    row = outputs.compare(report(1000.0), report(new)).rows[0]
+    assert (row.kind, row.allowance_mib, row.tolerance) == (kind, 50.0, "5%")
+
+
+def test_diff_without_a_tolerance_in_the_record_uses_the_default():
+    new = report(1050.0 + JUST, tolerance="")
+    assert outputs.compare(report(1000.0), new).rows[0].kind == "regression"  # 5% = 50 > 32 MiB
+    assert outputs.compare(report(400.0), report(432.0, "")).rows[0].kind == "unchanged"  # 32 MiB > 5%
+    assert outputs.compare(report(400.0), report(432.0 + JUST, "")).rows[0].kind == "regression"
+
+
+def test_diff_override_tolerance_edge():
+    assert outputs.compare(report(1000.0), report(1100.0), "10%").rows[0].kind == "unchanged"
+    assert outputs.compare(report(1000.0), report(1100.0 + JUST), "10%").rows[0].kind == "regression"
+
+
+@pytest.mark.parametrize("new, code", [(1050.0, 0), (1050.0 + JUST, 1)])
+def test_diff_command_exit_code_edge(tmp_path: Path, new, code):
+    paths = []
+    for name, mib in (("old", 1000.0), ("new", new)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"schema": 1, "tests": report(mib)}))
+        paths.append(str(path))
+    assert cli.main(["diff", *paths]) == code
+
+
+# -- what the verdict says: every word a reviewer reads --------------------------------------
+
+
+def test_unmeasured_size_fails_and_the_larger_sizes_are_still_judged():
+    v = judge(spec(nproc=[1, 2], max_mib=100), [result(1, None), result(2, 100.0 + JUST)])
+    assert kinds(v) == [("measured", 1, False), ("max_mib", 2, False)]
+    assert str(v.checks[0]) == "rank 0 at nproc=1 (cpu): no peak could be measured (high-water mark)"
+    assert str(v.checks[1]) == "rank 0 at nproc=2 (cpu): peak 100.0 MiB > max_mib 100.0 MiB"
+
+
+def test_ratio_text_against_a_reference_below_1_mib():
+    v = judge(spec(nproc=[1, 2], max_ratio=2.0), [result(1, 0.5), result(2, 1.0)])
+    assert str(v.checks[0]) == ("rank 0 at nproc=2 (cpu): peak 1.0 MiB <= 2.00 x 0.5 MiB (nproc=1) + 0 MiB"
+                                " = 1.0 MiB (ratio 2.00x)")
+    assert v.ratio(2) == 2.0
+
+
+def test_ratio_is_none_without_both_sizes_or_a_positive_reference():
+    s = spec(nproc=[1, 2, 4], max_ratio=10.0)
+    v = judge(s, [result(1, 100.0), result(2, 150.0)])
+    assert (v.ratio(1), v.ratio(2), v.ratio(4)) == (None, 1.5, None)
+    assert judge(s, [result(2, 150.0), result(4, 150.0)]).ratio(4) is None
+    assert judge(s, [result(1, None), result(2, 150.0)]).ratio(2) is None
+    assert judge(s, [result(1, 100.0), result(2, None)]).ratio(2) is None
+    assert judge(s, [result(1, 0.0), result(2, 150.0)]).ratio(2) is None
+
+
+def test_the_whole_rendering_of_a_failing_verdict():
+    refs = {4: BaselineRef(1000.0, parse_tolerance("5%"))}
+    results = [
+        SizeResult(1, "cpu", {0: Peak(500.0, "high-water mark")}, reused=True),
+        SizeResult(2, "cpu", {0: Peak(600.0, "high-water mark"), 1: Peak(None, "not available")}),
+        SizeResult(4, "gpu", {r: Peak(900.0 + r, "per-pid sampled") for r in range(4)}),
+    ]
+    v = judge(spec(nproc=[2, 4], max_ratio=1.5, max_mib=2000, rank="all"), results, refs, notes=("a note",))
+    assert v.render().splitlines() == [
+        "gpumem: memory limit exceeded at nproc=4",
+        "  rank 3 (largest) at nproc=4 (gpu): peak 903.0 MiB > 1.50 x 500.0 MiB (nproc=1) + 0 MiB = 750.0 MiB"
+        " (ratio 1.81x)",
+        "  largest rank peak, nproc 1: 500.0 MiB | 2: 600.0 MiB (1.20x) | 4: 903.0 MiB (1.81x) FAIL",
+        "  nproc=1 cpu MiB per rank {0: 500.0} [high-water mark] (reference reused)",
+        "  nproc=2 cpu MiB per rank {0: 600.0, 1: n/a} [high-water mark, not available]",
+        "  nproc=4 gpu MiB per rank {0: 900.0, 1: 901.0, 2: 902.0, 3: 903.0} [per-pid sampled]",
+        "  note: a note",
+        "  note: rank 3 (largest) at nproc=4: peak 903.0 MiB is below the baseline 1000.0 MiB by more than 5%;"
+        " refresh the baseline to tighten it",
+    ]
+
+
+def test_the_rendering_of_a_passing_verdict_and_of_unmeasured_ranks():
+    v = judge(spec(nproc=2, max_mib=1000), [result(2, 10.0, None)])
+    assert v.passed and v.render().splitlines() == [
+        "  rank 0 peak, nproc 2: 10.0 MiB",
+        "  nproc=2 cpu MiB per rank {0: 10.0, 1: n/a} [high-water mark]",
+    ]
+    assert str(v.checks[0]) == "rank 0 at nproc=2 (cpu): peak 10.0 MiB <= max_mib 1000.0 MiB"
+    every = judge(spec(nproc=2, rank="all"), [result(2, None, None)])
+    assert every.results[0].gated("all") == ("all ranks", None)
+    assert "largest rank peak, nproc 2: n/a FAIL" in every.render()
+    assert SizeResult(1, "cpu", {}).methods == "not available"
+
+
+# -- tolerances: parsed, shown and refused in so many words ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, shown, percent, mib",
+    [("5%", "5%", 5.0, None), ("256MiB", "256MiB", None, 256.0), ("1GiB", "1024MiB", None, 1024.0),
+     ("5%+32MiB", "5%+32MiB", 5.0, 32.0), (" 2.5 % , 1.5 GiB ", "2.5%+1536MiB", 2.5, 1536.0),
+     (["10%", "64MiB"], "10%+64MiB", 10.0, 64.0)],
+)
+def test_tolerance_parsed_and_shown(text, shown, percent, mib):
+    tol = parse_tolerance(text)
+    assert (tol.percent, tol.mib, str(tol)) == (percent, mib, shown)
+    assert parse_tolerance(tol) is tol
+
+
+def test_no_tolerance_is_zero():
+    assert str(Tolerance()) == "0" and Tolerance().allowance(1000.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [(5, 'tolerance=5 is not accepted: expected a string like "5%", "256MiB" or "5%+256MiB"'),
+     ("-5%", "tolerance='-5%' is not accepted: expected a string like \"5%\", \"256MiB\" or \"5%+256MiB\" "
+             "(non-negative)"),
+     ("5", "tolerance='5' is not accepted"), ("5 MB", "tolerance='5 MB' is not accepted"),
+     ("5%+", "tolerance='5%+' is not accepted")],
+)
+def test_tolerance_refused_naming_what_is_accepted(value, message):
+    from pytest_gpumem.spec import SpecError
+
+    with pytest.raises(SpecError) as info:
+        parse_tolerance(value)
+    assert str(info.value).startswith(message)
+    with pytest.raises(SpecError, match="^--tolerance="):
+        parse_tolerance(value, "--tolerance")
