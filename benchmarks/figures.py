@@ -117,6 +117,9 @@ def reruns(name: str, example: str, runs: int, say) -> None:
         libs = package.parent / f"{name}.libs"
         if libs.is_dir():
             shutil.copytree(libs, Path(tmp) / libs.name)
+        nvidia = package.parent / "nvidia"  # OneFlow loads cuDNN/cuBLAS from beside itself: not the copy's subject
+        if name == "oneflow" and nvidia.is_dir():
+            (Path(tmp) / "nvidia").symlink_to(nvidia)
         copied = [rank0(pytest_gpumem([example], {"PYTHONPATH": tmp})[0]) for _ in range(3)]
 
     say(f"[reruns] {example}, rank 0, {runs} runs, MiB")
