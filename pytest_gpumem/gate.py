@@ -76,7 +76,7 @@ class Gate:
 
     def _baselines(self, test: TestRun, notes: list[str], problems: list[str],
                    warnings: list[str]) -> dict[int, Entry]:
-        """Stored entries for this platform; missing ones warn, or fail in CI (configurable)."""
+        """Stored entries for this platform; missing ones (or ones of another metric) warn, or fail in CI."""
         stored: dict[int, Entry] = {}
         missing: list[int] = []
         other_metric: list[str] = []
@@ -87,41 +87,35 @@ class Gate:
             platform = result.platform
             entry = self.store.lookup(test.test_id, platform, result.world_size)
             measured = _gated_method(result, test.spec.rank)
-            if entry is not None and metric(entry.method) != metric(measured):
-                other_metric.append(f"nproc={result.world_size} holds {entry.method!r}, this run measured "
-                                    f"{measured!r}")
-                entry = None
             if entry is None:
                 missing.append(result.world_size)
+            elif metric(entry.method) != metric(measured):  # never compared: the numbers mean different things
+                other_metric.append(f"nproc={result.world_size} holds {entry.method!r}, this run measured "
+                                    f"{measured!r}")
             else:
                 stored[result.world_size] = entry
-        if not missing:
-            return stored
-        if other_metric:  # never compared across metrics: the numbers mean different things
-            text = (f"baseline of {test.test_id} on {platform} in {self.store.file_for(test.test_id)} was "
-                    f"measured another way ({'; '.join(other_metric)}): not compared; record it again with "
-                    f"`gpumem refresh {test.test_id}` and commit the file")
-            mode = self.settings.fail_on_missing_baseline
-            if mode:
-                problems.append(text + " (fails when CI is set; gpumem_missing_baseline=warn to relax)")
-            else:
-                warnings.append(text)
-            if len(other_metric) == len(missing):
-                return stored
-            missing = [n for n in missing if not any(o.startswith(f"nproc={n} ") for o in other_metric)]
-        elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
-        if elsewhere:
-            notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
-                         f"not compared on {platform}")
-        text = (f"no baseline stored for {test.test_id} on {platform} at nproc={', '.join(map(str, missing))} "
-                f"in {self.store.file_for(test.test_id)}: record it with "
-                f"`gpumem refresh {test.test_id}` and commit the file")
+        where = f"{test.test_id} on {platform} in {self.store.file_for(test.test_id)}"
+        refresh = f"`gpumem refresh {test.test_id}` and commit the file"
+        if other_metric:
+            self._unmatched(f"baseline of {where} was measured another way ({'; '.join(other_metric)}): "
+                            f"not compared; record it again with {refresh}", problems, warnings, always_say=True)
+        if missing:
+            elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
+            if elsewhere:
+                notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
+                             f"not compared on {platform}")
+            self._unmatched(f"no baseline stored for {test.test_id} on {platform} at "
+                            f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
+                            f"record it with {refresh}", problems, warnings)
+        return stored
+
+    def _unmatched(self, text: str, problems: list[str], warnings: list[str], always_say: bool = False) -> None:
+        """A size with no comparable baseline: a failure in CI (configurable), a warning otherwise."""
         mode = self.settings.fail_on_missing_baseline
         if mode:
-            problems.append(text + " (missing baselines fail when CI is set; gpumem_missing_baseline=warn to relax)")
-        elif mode is False:
+            problems.append(text + " (fails when CI is set; gpumem_missing_baseline=warn to relax)")
+        elif mode is False or always_say:
             warnings.append(text)
-        return stored
 
     def _refresh(self, test: TestRun) -> dict[int, tuple[Entry | None, Entry]]:
         spec = test.spec

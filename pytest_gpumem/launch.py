@@ -248,8 +248,12 @@ class Launch:
             if pid is None:
                 continue
             result.pids[rank] = pid
-            self._remember(pid)
+            self._watch_rank(pid)
             self.on_rank(rank, pid)
+
+    def _watch_rank(self, pid: int) -> None:
+        """A rank's process is ours to clean up (its own host: the local launchers)."""
+        self._remember(pid)
 
     def _remember(self, pid: int) -> None:
         if pid not in self._seen:

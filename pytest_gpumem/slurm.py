@@ -150,16 +150,8 @@ class SrunLaunch(Launch):
     def _command(self, port: int) -> list[str]:
         return srun_command(self.request, port, self.step_name, self.options, self._addresses)
 
-    def _discover(self, result: LaunchResult) -> None:
-        """Record each rank's PID (on its own host: never signalled or sampled from here)."""
-        for rank in range(self.request.nproc):
-            if rank in result.pids:
-                continue
-            pid = protocol.read_hello_pid(self.request.workdir, rank)
-            if pid is None:
-                continue
-            result.pids[rank] = pid
-            self.on_rank(rank, pid)
+    def _watch_rank(self, pid: int) -> None:
+        """The PID is on the rank's own host: never signalled, sampled or scanned from here."""
 
     def _rank_reported_failure(self) -> bool:
         if super()._rank_reported_failure():
