@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .leases import GpuLeases, LeaseError
 from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, driver_versions, foreign_processes, visible_gpus
@@ -28,14 +28,16 @@ class GpuPlan:
 class GpuPlanner:
     """Leases ``nproc`` whole GPUs per launch and pins the ranks to them by UUID."""
 
-    def __init__(self, leases: GpuLeases | None, interval_s: float | None = None) -> None:
+    def __init__(self, leases: GpuLeases | None, interval_s: float | None = None, nvml: Any = None) -> None:
         self.leases = leases
         self.interval_s = interval_s or DEFAULT_INTERVAL_S
+        self.nvml = nvml  # None: the real binding; tests pass a fake at this boundary
 
     @classmethod
-    def for_this_machine(cls, lease_dir: Path, wait_s: float, interval_s: float | None) -> "GpuPlanner":
-        gpus = visible_gpus()
-        return cls(GpuLeases(lease_dir, gpus, wait_s) if gpus else None, interval_s)
+    def for_this_machine(cls, lease_dir: Path, wait_s: float, interval_s: float | None,
+                         nvml: Any = None) -> "GpuPlanner":
+        gpus = visible_gpus(nvml=nvml)
+        return cls(GpuLeases(lease_dir, gpus, wait_s) if gpus else None, interval_s, nvml)
 
     @classmethod
     def lazy(cls, lease_dir: Path, wait_s: float, interval_s: float | None) -> Callable[[Spec, int, str], GpuPlan]:
@@ -65,16 +67,16 @@ class GpuPlanner:
             return GpuPlan(error=str(exc))
         notes = []
         for device in lease.devices:
-            pids = foreign_processes(device)
+            pids = foreign_processes(device, nvml=self.nvml)
             if pids:
                 notes.append(f"GPU {device.index} ({device.uuid}) already had compute processes "
                              f"{pids} before the launch: device-level numbers include them")
         return GpuPlan(
             env={"CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in lease.devices),
                  "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
-            sampler=NvmlSampler(lease.devices, self.interval_s),
+            sampler=NvmlSampler(lease.devices, self.interval_s, nvml=self.nvml),
             gpu_name=lease.devices[0].name,
             release=lease.release,
             notes=notes,
-            provenance=driver_versions(),
+            provenance=driver_versions(self.nvml),
         )
