@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from jobs import ONEFLOW_WORKLOAD
 
 pytest.importorskip("oneflow")
 pytestmark = [pytest.mark.oneflow, pytest.mark.slow]
 
-WORKLOAD = '''
-import os
-import pytest
-import oneflow as flow
-
-MiB = 1024 * 1024
-
-
-def step(every_rank_keeps_global_batch):
-    world = flow.env.get_world_size()
-    placement = flow.placement("cpu", ranks=list(range(world)))
-    rows = 150 * MiB // 4 // 1024                          # 150 MiB of activations per rank
-    batch = flow.ones(rows * world, 1024, placement=placement, sbp=flow.sbp.split(0))
-    if every_rank_keeps_global_batch:                     # the bug: S(0) -> B boxing
-        batch = batch.to_global(sbp=flow.sbp.broadcast)
-    total = batch.sum().to_global(sbp=flow.sbp.broadcast).to_local().numpy()
-    assert abs(total - rows * world * 1024) < 1e-3 * total
-'''
-
 
 def test_oneflow_launcher_healthy_passes_inflating_fails(pytester, launch_tag):
-    pytester.makepyfile(WORKLOAD + '''
+    pytester.makepyfile(ONEFLOW_WORKLOAD + '''
 @pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="oneflow")
 def test_healthy():
     step(False)
@@ -47,7 +29,7 @@ def test_inflating():
 
 
 def test_direct_launcher_runs_oneflow_global_tensors(pytester, launch_tag):
-    pytester.makepyfile(WORKLOAD + '''
+    pytester.makepyfile(ONEFLOW_WORKLOAD + '''
 @pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
 def test_healthy():
     step(False)

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from conftest import processes_tagged
+from jobs import ONEFLOW_WORKLOAD, TORCH_DDP
 
 IN_ALLOCATION = bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 pytestmark = [
@@ -56,31 +57,6 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 def sizes(report) -> dict[str, dict[int, dict]]:
     doc = json.loads(report.read_text())
     return {t["test"]: {s["nproc"]: s for s in t["sizes"]} for t in doc["tests"]}
-
-
-TORCH_DDP = '''
-import os
-import pytest
-import torch
-import torch.distributed as dist
-
-MiB = 1024 * 1024
-
-
-def step(world_keeps_global_batch):
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    local = torch.ones(150 * MiB // 4)                   # 150 MiB of activations per rank
-    if world_keeps_global_batch:                          # the bug: every rank gathers every batch
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
-        kept = torch.cat(parts)
-        assert kept.numel() == world * local.numel()
-    grad = torch.ones(1024)
-    dist.all_reduce(grad)
-    assert grad[0].item() == world
-    dist.destroy_process_group()
-'''
 
 
 @pytest.mark.torch
@@ -124,23 +100,7 @@ ONEFLOW_DP = '''
 import os
 if "GPUMEM_WORKDIR" in os.environ:  # in a rank (not in pytest collecting it)
     os.environ["LOCAL_RANK"] = os.environ["RANK"]  # emulated nodes on one host: see above
-
-import pytest
-import oneflow as flow
-
-MiB = 1024 * 1024
-
-
-def step(every_rank_keeps_global_batch):
-    world = flow.env.get_world_size()
-    placement = flow.placement("cpu", ranks=list(range(world)))
-    rows = 150 * MiB // 4 // 1024                          # 150 MiB of activations per rank
-    batch = flow.ones(rows * world, 1024, placement=placement, sbp=flow.sbp.split(0))
-    if every_rank_keeps_global_batch:                     # the bug: S(0) -> B boxing
-        batch = batch.to_global(sbp=flow.sbp.broadcast)
-    total = batch.sum().to_global(sbp=flow.sbp.broadcast).to_local().numpy()
-    assert abs(total - rows * world * 1024) < 1e-3 * total
-'''
+''' + ONEFLOW_WORKLOAD
 
 
 @pytest.mark.oneflow

@@ -3,37 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from jobs import TORCH_DDP
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
-DDP = '''
-import os
-import pytest
-import torch
-import torch.distributed as dist
-
-MiB = 1024 * 1024
-
-
-def step(world_keeps_global_batch):
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    local = torch.ones(150 * MiB // 4)                   # 150 MiB of activations per rank
-    if world_keeps_global_batch:                          # the bug: every rank gathers every batch
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
-        kept = torch.cat(parts)
-        assert kept.numel() == world * local.numel()
-    grad = torch.ones(1024)
-    dist.all_reduce(grad)
-    assert grad[0].item() == world
-    dist.destroy_process_group()
-'''
-
 
 def test_healthy_passes_and_inflating_fails_direct(pytester, launch_tag):
-    pytester.makepyfile(DDP + '''
+    pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
 def test_healthy():
     step(False)
@@ -54,7 +31,7 @@ def test_inflating():
 
 
 def test_torchrun_launcher_gates_the_same_way(pytester, launch_tag):
-    pytester.makepyfile(DDP + '''
+    pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="torchrun")
 def test_healthy():
     step(False)
@@ -130,7 +107,7 @@ def test_skips():
 
 
 def test_inflation_marked_xfail_is_xfailed(pytester, launch_tag):
-    pytester.makepyfile(DDP + '''
+    pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.xfail(strict=True, reason="known inflation")
 @pytest.mark.gpumem(nproc=2, max_ratio=1.2)
 def test_inflating():
@@ -169,7 +146,7 @@ def test_floor_shows_what_is_not_the_job_own(pytester, launch_tag):
     and reused, is shown apart from the job: the inflating part is all in the job's own share."""
     import json
 
-    pytester.makepyfile(DDP + '''
+    pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2)
 def test_inflating():
     step(True)
