@@ -66,9 +66,9 @@ TRACE_HEAD = ('import os as _os\n_trace = _os.environ.get("BENCH_TRACE")\n'
               'if _trace:\n    import benchtrace\n    benchtrace.mark("body_start")\n')
 TRACE_TAIL = 'if _trace:\n    benchtrace.mark("body_end")\n'
 
-GATE = '''"""A minimal spawn with the plugin's OneFlow rendezvous gate (pytest_gpumem.rendezvous), nothing else."""
+GATE = '''"""A minimal spawn with the plugin's OneFlow rendezvous gate (pytest_gpumem.oneflow.rendezvous), nothing else."""
 import runpy, sys
-from pytest_gpumem.rendezvous import install_oneflow_gate
+from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
 
 install_oneflow_gate()
 script = sys.argv[1]; sys.argv = sys.argv[1:]
@@ -110,7 +110,7 @@ if _IN_PLUGIN_RANK:
 BENCHTRACE_PARENT = '''
 import pytest
 from benchtrace import mark
-from pytest_gpumem import launch as _launch, runner as _runner
+from pytest_gpumem.launching import launch as _launch, runner as _runner
 
 
 def _wrap(cls, name, before=None, after=None):
@@ -469,7 +469,7 @@ def launch_lines(configs: list[Config], sizes: list[int]) -> list[str]:
 
 PLUGIN_PHASES = [
     ("launch_start", "spawned", "parent: port, env, Popen of rank 0"),
-    ("spawned", "file_hello", "rank: interpreter + pytest_gpumem.rank imports"),
+    ("spawned", "file_hello", "rank: interpreter + pytest_gpumem.rankside.rank imports"),
     ("file_hello", "rank_plugins_loaded", "rank: import pytest + entry-point plugins"),
     ("rank_plugins_loaded", "rank_sessionstart", "rank: pytest config, ini, configure hooks"),
     ("rank_sessionstart", "rank_collected", "rank: collect the test module"),

@@ -17,10 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import inifile, settings
-from .baseline import BaselineError, BaselineStore
-from .outputs import ReportError, compare, diff_markdown, diff_table, load_report
-from .spec import SpecError, parse_tolerance
+from .config import inifile, settings
+from .config.spec import SpecError, parse_tolerance
+from .judging.baseline import BaselineError, BaselineStore
+from .presentation.outputs import ReportError, compare, diff_markdown, diff_table, load_report
 
 
 def _parser() -> argparse.ArgumentParser:

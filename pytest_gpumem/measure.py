@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from . import inifile
-from .settings import OPTIONS, SettingsError, option, resolve
-from .spec import DEVICES, LAUNCHERS, SpecError, parse_marker
+from .config import inifile
+from .config.settings import OPTIONS, SettingsError, option, resolve
+from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 _PYTHON = re.compile(r"^python[\d.]*$")
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is not None and not _writable(path.parent):
             return _fail(f"argument --{name}: cannot write {str(path)!r}: expected a writable path")
     if args.plots is not None:
-        from . import plots
+        from .presentation import plots
 
         try:
             plots.check_available()
@@ -155,13 +155,14 @@ def _writable(folder: Path) -> bool:
 
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
-    from . import outputs, scaling
-    from .gpus import GpuPlanner
-    from .leases import default_lease_dir
-    from .report import record
-    from .runner import Runner
+    from .judging.verdict import judge
+    from .launching import scaling
+    from .launching.gpus import GpuPlanner
+    from .launching.leases import default_lease_dir
+    from .launching.runner import Runner
+    from .presentation import outputs
+    from .presentation.report import record
     from .sampling.nvml import visible_gpus
-    from .verdict import judge
 
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
     runner = Runner(
@@ -184,7 +185,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     if args.markdown is not None:
         args.markdown.write_text(outputs.markdown([rec]))
     if args.plots is not None:
-        from . import plots
+        from .presentation import plots
 
         plots.plot_all([rec], args.plots)
     if status == "pass":

@@ -1,7 +1,7 @@
 """pytest glue only: options, ini keys, the marker, collection, the item that launches, the table.
 
 In the pytest session a user starts, a marked test becomes a :class:`GpumemItem` whose run
-launches the ranks. Inside each rank (``GPUMEM_WORKDIR`` set by ``pytest_gpumem.rank``) the same
+launches the ranks. Inside each rank (``GPUMEM_WORKDIR`` set by ``pytest_gpumem.rankside.rank``) the same
 test runs as an ordinary test, body, fixtures and parameters included, and its outcome is written
 for the parent to read.
 """
@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import pytest
 
-from . import protocol
-from . import settings as settings_mod
-from .rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
-from .spec import Spec, SpecError, parse_marker
+from .config import settings as settings_mod
+from .config.spec import Spec, SpecError, parse_marker
+from .rankside import protocol
+from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
 
 if TYPE_CHECKING:
-    from .gate import Gate
-    from .runner import Runner
-    from .scaling import Capacity
+    from .judging.gate import Gate
+    from .launching.runner import Runner
+    from .launching.scaling import Capacity
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
 # and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
@@ -85,7 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
     if resolved.plots is not None:
-        from . import plots
+        from .presentation import plots
 
         try:  # say so before the launches, not after them
             plots.check_available()
@@ -217,12 +217,12 @@ class ParentSide:
     def machinery(self) -> tuple[Gate, Runner]:
         """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
         if self._machinery is None:
-            from .baseline import BaselineStore
-            from .gate import Gate
-            from .gpus import GpuPlanner
-            from .leases import default_lease_dir
-            from .runner import Runner
-            from .slurm import SlurmOptions
+            from .judging.baseline import BaselineStore
+            from .judging.gate import Gate
+            from .launching.gpus import GpuPlanner
+            from .launching.leases import default_lease_dir
+            from .launching.runner import Runner
+            from .launching.slurm import SlurmOptions
 
             resolved = self.settings
             interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
@@ -276,7 +276,8 @@ class ParentSide:
         return [*args, target]
 
     def run_item(self, item: GpumemItem) -> None:
-        from . import outputs, scaling
+        from .launching import scaling
+        from .presentation import outputs
 
         gate, runner = self.machinery()
         if self._capacity is None:  # GPUs are counted at the first test whose sizes may pass them
@@ -316,7 +317,7 @@ class ParentSide:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
-        from .report import refresh_lines, table
+        from .presentation.report import refresh_lines, table
         records = sorted(self.records, key=lambda r: r["test"])
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
@@ -337,7 +338,7 @@ class ParentSide:
         s, records = self.settings, sorted(self.records, key=lambda r: r["test"])
         if self.is_worker or not (records or s.report is not None or s.benchmark_json is not None):
             return
-        from . import outputs
+        from .presentation import outputs
 
         if s.report is not None:
             _write(s.report, json.dumps({"schema": 1, "tests": records}, indent=2) + "\n")
@@ -353,7 +354,7 @@ class ParentSide:
             with open(summary, "a") as handle:
                 handle.write(text + "\n")
         if s.plots is not None:
-            from . import plots
+            from .presentation import plots
 
             plots.plot_all(records, s.plots)
 

@@ -37,7 +37,8 @@ def run(pytester, *args):
 def test_a_baseline_of_another_metric_is_never_compared(pytester, job, monkeypatch, launch_tag):
     """An entry recorded as resident memory (RSS, before 0.2) next to a live-allocation figure:
     not compared; a warning locally, a failure in CI, both saying to refresh."""
-    from pytest_gpumem.baseline import BaselineStore, Entry, platform_key
+    from pytest_gpumem.judging.baseline import BaselineStore, Entry
+    from pytest_gpumem.sampling.identity import platform_key
 
     store = BaselineStore(pytester.path / "baselines")
     store.update("test_job.py::test_job", platform_key("cpu"),

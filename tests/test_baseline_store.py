@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import pytest
 
-from pytest_gpumem import baseline
-from pytest_gpumem.baseline import SCHEMA_VERSION, BaselineError, BaselineStore, Entry, host_provenance, platform_key
+from pytest_gpumem.judging import baseline
+from pytest_gpumem.judging.baseline import SCHEMA_VERSION, BaselineError, BaselineStore, Entry
+from pytest_gpumem.sampling.identity import host_provenance, platform_key
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = "cpu:Intel(R) Xeon(R) Platinum 8480+"
@@ -254,7 +255,7 @@ def test_killed_writer_leaves_old_file_and_its_temp_is_swept_later(store: Baseli
     before = file.read_bytes()
     code = f"""
         import os
-        from pytest_gpumem import baseline
+        from pytest_gpumem.judging import baseline
         os.replace = lambda *a: os._exit(9)  # the process dies between the write and the rename
         s = baseline.BaselineStore({str(store.directory)!r})
         s.update({TEST!r}, {CPU!r}, {{2: baseline.Entry(200.0, {{0: 200.0}}, 0, "cpu", "m", {{}})}})

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem import boxing
-from pytest_gpumem.boxing import Boxing, diff, summarize
+from pytest_gpumem.oneflow import boxing
+from pytest_gpumem.oneflow.boxing import Boxing, diff, summarize
 
 pytestmark = pytest.mark.oneflow
 
@@ -183,7 +183,7 @@ def test_hook_writes_nothing_and_imports_nothing_when_oneflow_is_never_imported(
     out = _run_python(f"""
         import sys, json
         from pathlib import Path
-        from pytest_gpumem.boxing import install_graph_hook
+        from pytest_gpumem.oneflow.boxing import install_graph_hook
         install_graph_hook(Path({str(tmp_path / 'rank-0.boxing')!r}))
         import json, email.message                                  # other imports go through untouched
         print("oneflow" in sys.modules)
@@ -219,7 +219,7 @@ def test_hook_records_each_graph_once_and_never_changes_or_breaks_a_call(tmp_pat
     record = tmp_path / "rank-0.boxing"
     out = _run_python(f"""
         from pathlib import Path
-        from pytest_gpumem import boxing
+        from pytest_gpumem.oneflow import boxing
         boxing.install_graph_hook(Path({str(record)!r}))    # before oneflow is imported
         audits = []
         real = boxing.graph_record
@@ -309,7 +309,7 @@ import json, os, sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pytest_gpumem import boxing
+from pytest_gpumem.oneflow import boxing
 
 out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
 boxing.install_graph_hook(out / f"rank-{rank}.boxing")   # as rank.py would, before any import
@@ -378,7 +378,7 @@ results["a_unhooked_losses"] = train("a", hooked=False)[1]
 
 def launch_two_ranks(script: Path, out: Path, timeout: float = 90) -> dict[int, dict]:
     """Two ranks with the launchers' env contract, each in its own session; killed at ``timeout``."""
-    from pytest_gpumem.launch import free_port, oneflow_library_dirs
+    from pytest_gpumem.launching.launch import free_port, oneflow_library_dirs
 
     out.mkdir()
     port, world = free_port(), 2

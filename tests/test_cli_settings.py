@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem import inifile
 from pytest_gpumem.cli import baselines_dir
-from pytest_gpumem.settings import SettingsError
+from pytest_gpumem.config import inifile
+from pytest_gpumem.config.settings import SettingsError
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpumem.explain import config_provenance, imbalance, peak_times, provenance_diff, timeline_lines
+from pytest_gpumem.judging.explain import config_provenance, imbalance, peak_times, provenance_diff, timeline_lines
+from pytest_gpumem.judging.verdict import SizeResult
 from pytest_gpumem.sampling import Peak
-from pytest_gpumem.verdict import SizeResult
 
 
 def test_config_differences_come_first_then_versions_then_env():
@@ -65,8 +65,8 @@ def test_gpt2(gpumem_config):
 
 
 def _gpu_test_run(provenance):
-    from pytest_gpumem.runner import TestRun
-    from pytest_gpumem.spec import Defaults, parse_marker
+    from pytest_gpumem.config.spec import Defaults, parse_marker
+    from pytest_gpumem.launching.runner import TestRun
 
     spec = parse_marker((), {"nproc": 1, "max_mib": 100}, Defaults())
     test = TestRun("t.py::test_gpu", spec, provenance=dict(provenance))
@@ -74,9 +74,9 @@ def _gpu_test_run(provenance):
 
 
 def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
-    from pytest_gpumem.baseline import Entry
-    from pytest_gpumem.gate import explain_failure
-    from pytest_gpumem.verdict import judge
+    from pytest_gpumem.judging.baseline import Entry
+    from pytest_gpumem.judging.gate import explain_failure
+    from pytest_gpumem.judging.verdict import judge
 
     result = SizeResult(world_size=1, device="gpu", peaks={0: Peak(900.0, "per-pid sampled")})
     test = _gpu_test_run({"nvidia_driver": "580.159.04", "torch_cuda": "12.8"})
@@ -92,11 +92,11 @@ def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
 
 def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():
     """A failing nn.Graph job whose conversions match its baseline printed the heading with nothing under it."""
-    from pytest_gpumem.baseline import Entry
-    from pytest_gpumem.gate import explain_failure
-    from pytest_gpumem.launch import LaunchResult
-    from pytest_gpumem.runner import SizeRun
-    from pytest_gpumem.verdict import judge
+    from pytest_gpumem.judging.baseline import Entry
+    from pytest_gpumem.judging.gate import explain_failure
+    from pytest_gpumem.judging.verdict import judge
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runner import SizeRun
 
     result = SizeResult(world_size=2, device="cpu", peaks={0: Peak(900.0, "live allocations (memray)")})
     test = _gpu_test_run({})

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 
 from conftest import processes_tagged
-from pytest_gpumem.baseline import BaselineStore, Entry, platform_key
-from pytest_gpumem.leases import GpuLeases, default_lease_dir
-from pytest_gpumem.settings import OPTIONS
+from pytest_gpumem.config.settings import OPTIONS
+from pytest_gpumem.judging.baseline import BaselineStore, Entry
+from pytest_gpumem.launching.leases import GpuLeases, default_lease_dir
+from pytest_gpumem.sampling.identity import platform_key
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ def pytest_pid():
     """The user's pytest: the first ancestor running pytest that is neither a rank nor a launcher."""
     for proc in psutil.Process().parents():
         cmd = " ".join(proc.cmdline())
-        if "pytest" in cmd and "pytest_gpumem.rank" not in cmd and not any(w in cmd for w in LAUNCHERS):
+        if "pytest" in cmd and "pytest_gpumem.rankside.rank" not in cmd and not any(w in cmd for w in LAUNCHERS):
             return proc.pid
     raise AssertionError("no pytest above this rank")
 

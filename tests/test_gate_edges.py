@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem import cli, outputs
+from pytest_gpumem import cli
+from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, against_reference, judge
+from pytest_gpumem.presentation import outputs
 from pytest_gpumem.sampling import Peak
-from pytest_gpumem.spec import Defaults, Tolerance, parse_marker, parse_tolerance
-from pytest_gpumem.verdict import BaselineRef, SizeResult, against_reference, judge
 
 JUST = 0.01  # MiB
 
@@ -274,7 +275,7 @@ def test_no_tolerance_is_zero():
      ("5%+", "tolerance='5%+' is not accepted")],
 )
 def test_tolerance_refused_naming_what_is_accepted(value, message):
-    from pytest_gpumem.spec import SpecError
+    from pytest_gpumem.config.spec import SpecError
 
     with pytest.raises(SpecError) as info:
         parse_tolerance(value)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fake_nvml import FakeGpu, FakeNvml, Snap, uuid
 
-from pytest_gpumem.gpus import GpuPlanner
-from pytest_gpumem.runner import Runner
-from pytest_gpumem.spec import Defaults, parse_marker
+from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.launching.gpus import GpuPlanner
+from pytest_gpumem.launching.runner import Runner
 
 pytestmark = pytest.mark.slow
 

@@ -63,8 +63,9 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     assert result["code"] == 0, out
     ours = {m for m in result["modules"] if m.startswith("pytest_gpumem")}
     # (protocol: the rank files' names and readers, standard library only; the rank side uses it)
-    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.protocol", "pytest_gpumem.rank",
-                    "pytest_gpumem.settings", "pytest_gpumem.spec"}, ours
+    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.config", "pytest_gpumem.config.settings",
+                    "pytest_gpumem.config.spec", "pytest_gpumem.rankside", "pytest_gpumem.rankside.protocol",
+                    "pytest_gpumem.rankside.rank"}, ours
     assert not [m for m in result["modules"] if m.split(".")[0] in HEAVY]
 
 
@@ -72,7 +73,7 @@ def test_without_the_resource_module_and_off_linux_gpumem_tests_skip_saying_why(
     """A platform without `resource` (Windows) imports the plugin; gpumem tests skip, never crash."""
     result, out = probe(project, "--gpumem", setup='''
         sys.modules["resource"] = None  # import resource -> ImportError, as on Windows
-        import pytest_gpumem.plugin, pytest_gpumem.rank
+        import pytest_gpumem.plugin, pytest_gpumem.rankside.rank
         pytest_gpumem.plugin.sys = type("FakeSys", (), {"platform": "win32"})
     ''')
     assert result["code"] == 0, out

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.gpus import GpuPlanner
-from pytest_gpumem.leases import GpuLeases, LeaseError, LeaseTimeout
+from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.launching.gpus import GpuPlanner
+from pytest_gpumem.launching.leases import GpuLeases, LeaseError, LeaseTimeout
 from pytest_gpumem.sampling.nvml import GpuDevice
-from pytest_gpumem.spec import Defaults, parse_marker
 
 GPUS = [GpuDevice(index=i, uuid=f"GPU-{i:08x}-0000", name="NVIDIA H200", total_mib=143771.0, accounting=False)
         for i in range(2)]

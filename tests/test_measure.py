@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TAG_ENV, processes_tagged
-from pytest_gpumem import measure, outputs
+from pytest_gpumem import measure
+from pytest_gpumem.presentation import outputs
 
 pytestmark = pytest.mark.slow
 

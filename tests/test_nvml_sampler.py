@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_nvml import (RAW_NOT_AVAILABLE, Acct, FakeGpu, FakeNvml, NVMLError_NotSupported, Snap,
-                       uuid)
+from fake_nvml import RAW_NOT_AVAILABLE, Acct, FakeGpu, FakeNvml, NVMLError_NotSupported, Snap, uuid
 
 from pytest_gpumem.sampling import Peak
 from pytest_gpumem.sampling import nvml as nvml_module

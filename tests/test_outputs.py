@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem import cli, outputs, plots
+from pytest_gpumem import cli
+from pytest_gpumem.presentation import outputs, plots
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
 HEALTHY = "examples/test_torch_ddp.py::test_torch_ddp"

@@ -8,11 +8,21 @@ import math
 
 import pytest
 
-from pytest_gpumem.predict import FLAT, LINEAR, SHARDED, SUM, PredictError, fit, least_squares, loo_error, predict
+from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.judging.predict import (
+    FLAT,
+    LINEAR,
+    SHARDED,
+    SUM,
+    PredictError,
+    fit,
+    least_squares,
+    loo_error,
+    predict,
+)
+from pytest_gpumem.judging.verdict import SizeResult, judge
+from pytest_gpumem.launching.scaling import Capacity, plan
 from pytest_gpumem.sampling import Peak
-from pytest_gpumem.scaling import Capacity, plan
-from pytest_gpumem.spec import Defaults, parse_marker
-from pytest_gpumem.verdict import SizeResult, judge
 
 SIZES = (1, 2, 4, 8)
 
@@ -154,8 +164,8 @@ def test_a_predicted_size_is_judged_and_says_it_was_predicted():
 
 
 def test_a_predicted_size_is_never_compared_with_a_baseline():
-    from pytest_gpumem.spec import Tolerance
-    from pytest_gpumem.verdict import BaselineRef
+    from pytest_gpumem.config.spec import Tolerance
+    from pytest_gpumem.judging.verdict import BaselineRef
 
     s = spec(nproc=[1, 2, 8])
     p = predict([(1, 500.0), (2, 600.0)], 8)
@@ -203,9 +213,9 @@ def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
 # ----------------------------------------------------------------------------- renderings of a record
 
 def _predicted_record():
-    from pytest_gpumem.launch import LaunchResult
-    from pytest_gpumem.report import record
-    from pytest_gpumem.runner import SizeRun, TestRun
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runner import SizeRun, TestRun
+    from pytest_gpumem.presentation.report import record
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
@@ -217,8 +227,8 @@ def _predicted_record():
 
 
 def test_every_output_labels_the_predicted_size():
-    from pytest_gpumem import outputs
-    from pytest_gpumem.report import table
+    from pytest_gpumem.presentation import outputs
+    from pytest_gpumem.presentation.report import table
 
     rec = _predicted_record()
     sizes = {s["nproc"]: s for s in rec["sizes"]}
@@ -239,7 +249,7 @@ def test_every_output_labels_the_predicted_size():
 
 def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
     pytest.importorskip("matplotlib")
-    from pytest_gpumem import plots
+    from pytest_gpumem.presentation import plots
 
     rec = _predicted_record()
     path = tmp_path / "p.png"
@@ -250,9 +260,9 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
 
 
 def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
-    from pytest_gpumem.gate import explain_failure
-    from pytest_gpumem.launch import LaunchResult
-    from pytest_gpumem.runner import SizeRun, TestRun
+    from pytest_gpumem.judging.gate import explain_failure
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runner import SizeRun, TestRun
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]
@@ -273,7 +283,7 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
 
 
 def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
-    from pytest_gpumem import outputs
+    from pytest_gpumem.presentation import outputs
 
     predicted = _predicted_record()
     measured = json.loads(json.dumps(predicted))

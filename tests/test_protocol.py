@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pytest_gpumem import protocol
+from pytest_gpumem.rankside import protocol
 
 
 def test_exit_report_round_trip_and_unknown_keys(tmp_path):

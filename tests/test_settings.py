@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.settings import OPTIONS, SettingsError, resolve
+from pytest_gpumem.config.settings import OPTIONS, SettingsError, resolve
 
 ROOT = Path("/project")
 
@@ -76,7 +76,7 @@ def test_help_texts_say_what_an_empty_default_means():
 
 
 def test_the_tolerance_default_is_written_once():
-    from pytest_gpumem import spec
+    from pytest_gpumem.config import spec
 
     assert settings().tolerance == spec.Defaults().tolerance == spec.parse_tolerance(spec.DEFAULT_TOLERANCE)
     sources = Path(spec.__file__).parent.rglob("*.py")

@@ -19,9 +19,9 @@ import sys
 import time
 
 import pytest
+from jobs import ONEFLOW_WORKLOAD, TORCH_DDP
 
 from conftest import processes_tagged
-from jobs import ONEFLOW_WORKLOAD, TORCH_DDP
 
 IN_ALLOCATION = bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 pytestmark = [

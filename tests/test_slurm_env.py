@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.settings import SettingsError, resolve
-from pytest_gpumem.slurm import effective_nodes, not_in_allocation, not_shared_problems, srun_lines
-from pytest_gpumem.slurm_env import (SlurmEnvError, contract, expand_hostlist, format_addresses,
-                                     parse_addresses, tasks_per_node)
-from pytest_gpumem.spec import Defaults, SpecError, parse_marker
-from pytest_gpumem.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
+from pytest_gpumem.config.settings import SettingsError, resolve
+from pytest_gpumem.config.spec import Defaults, SpecError, parse_marker
+from pytest_gpumem.launching.slurm import effective_nodes, not_in_allocation, not_shared_problems, srun_lines
+from pytest_gpumem.rankside.slurm_env import (
+    SlurmEnvError,
+    contract,
+    expand_hostlist,
+    format_addresses,
+    parse_addresses,
+    tasks_per_node,
+)
+from pytest_gpumem.rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 
 TASK_ENV = {  # what Slurm 22.05 gave task 2 of `srun -N2 -n4` on the local two-node cluster
     "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURMD_NODENAME": "n2",
@@ -121,7 +127,7 @@ def test_task_that_cannot_see_the_launch_folder_says_so(tmp_path):
     missing = tmp_path / "only-on-the-submit-host"
     env = {**os.environ, **TASK_ENV, "GPUMEM_WORKDIR": str(missing), "GPUMEM_SLURM_FOLDER_WAIT_S": "0.2",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "pytest_gpumem.srun_task", "29500", "n1=127.0.0.1",
+    done = subprocess.run([sys.executable, "-m", "pytest_gpumem.rankside.srun_task", "29500", "n1=127.0.0.1",
                            "pytest", "x.py"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == NOT_SHARED_EXIT, done.stderr
     assert done.stdout.startswith(LINE_PREFIX)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pytest_gpumem.spec import Defaults, SpecError, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.config.spec import Defaults, SpecError, Tolerance, parse_marker, parse_tolerance
 
 D = Defaults()
 

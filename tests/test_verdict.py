@@ -1,8 +1,8 @@
 """Verdicts say the limit, the measured value, the unit, the rank and the world size."""
 
+from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
+from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
 from pytest_gpumem.sampling import Peak
-from pytest_gpumem.spec import Defaults, Tolerance, parse_marker
-from pytest_gpumem.verdict import BaselineRef, SizeResult, judge
 
 
 def result(n, *mibs, device="gpu"):

@@ -6,7 +6,7 @@ Launched once per session, framework, launcher, device and world size, this prob
 much, measured the same way as the test, so a report can show floor and job apart and a reviewer
 sees which part moved.
 
-Run inside a rank: ``python -m pytest_gpumem.rank module pytest_gpumem.floor FRAMEWORK DEVICE``.
+Run inside a rank: ``python -m pytest_gpumem.rankside.rank module pytest_gpumem.launching.floor FRAMEWORK DEVICE``.
 """
 
 from __future__ import annotations

@@ -12,18 +12,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import protocol, slurm
-from .baseline import platform_key
-from .boxing import read_records
-from .explain import config_provenance
+from pytest_gpumem.config.spec import Spec
+from pytest_gpumem.judging.explain import config_provenance
+from pytest_gpumem.judging.verdict import FloorResult, SizeResult
+from pytest_gpumem.oneflow.boxing import read_records
+from pytest_gpumem.rankside import protocol
+from pytest_gpumem.rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
+from pytest_gpumem.sampling import Peak, Sampler
+from pytest_gpumem.sampling.host import HostSampler
+from pytest_gpumem.sampling.identity import platform_key
+
+from . import slurm
 from .floor import FRAMEWORKS
 from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from .rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
-from .sampling import Peak, Sampler
-from .sampling.host import HostSampler
-from .spec import Spec
-from .verdict import FloorResult, SizeResult
 from .workdirs import make_workdir, sweep_orphans
 
 
@@ -155,7 +157,7 @@ class Runner:
             framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
             if framework is None:
                 continue
-            probe = replace(test.spec, script=None, module="pytest_gpumem.floor",
+            probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
                             args=(framework, result.device), device=result.device, nproc=(result.world_size,))
             key = (framework, probe.launch_key(), result.world_size)
             if key not in self._floors:

@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from pytest_gpumem.config.spec import Spec, Tolerance
+from pytest_gpumem.sampling import Peak
+
 from .predict import Prediction
-from .sampling import Peak
-from .spec import Spec, Tolerance
 
 
 @dataclass(frozen=True)
 class FloorResult:
-    """What an empty job of the same framework costs per rank at this size (``pytest_gpumem.floor``)."""
+    """What an empty job of the same framework costs per rank at this size (``pytest_gpumem.launching.floor``)."""
 
     framework: str
     ranks: Mapping[int, float]

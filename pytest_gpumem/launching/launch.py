@@ -26,8 +26,8 @@ from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
-from . import protocol
-from .rank import LAUNCH_ID_ENV, WORKDIR_ENV
+from pytest_gpumem.rankside import protocol
+from pytest_gpumem.rankside.rank import LAUNCH_ID_ENV, WORKDIR_ENV
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -44,7 +44,7 @@ class LaunchRequest:
 
     launcher: str
     nproc: int
-    rank_argv: tuple[str, ...]      # arguments of ``python -m pytest_gpumem.rank``
+    rank_argv: tuple[str, ...]      # arguments of ``python -m pytest_gpumem.rankside.rank``
     env: Mapping[str, str]          # extra environment (marker env, CUDA_VISIBLE_DEVICES, ...)
     cwd: Path
     workdir: Path                   # private folder of this launch (logs, pids, results)
@@ -123,10 +123,10 @@ def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id:
 
 
 def launcher_command(request: LaunchRequest, port: int) -> list[str]:
-    target = ["-m", "pytest_gpumem.rank", *request.rank_argv]
+    target = ["-m", "pytest_gpumem.rankside.rank", *request.rank_argv]
     # A launcher is started through ``rank exec``, which binds it to die with pytest (its ranks
     # die with it): even a SIGKILLed pytest leaves nothing running.
-    bound = [sys.executable, "-m", "pytest_gpumem.rank", "exec", sys.executable]
+    bound = [sys.executable, "-m", "pytest_gpumem.rankside.rank", "exec", sys.executable]
     if request.launcher == "oneflow":
         return [*bound, "-m", "oneflow.distributed.launch",
                 "--nproc_per_node", str(request.nproc), "--master_port", str(port),
@@ -422,7 +422,7 @@ class _SignalGuard:
 
 
 _HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",
-                   "pytest_gpumem/rank.py", "/runpy.py")
+                   "pytest_gpumem/rankside/rank.py", "/runpy.py")
 
 
 def _user_frames(stack: str) -> str:

@@ -12,9 +12,10 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from pytest_gpumem.config.spec import SpecError, parse_tolerance
+from pytest_gpumem.sampling.allocations import is_allocation_method
+
 from .outputs import gated_method
-from .sampling.allocations import is_allocation_method
-from .spec import SpecError, parse_tolerance
 
 Record = Mapping[str, Any]
 
@@ -116,7 +117,7 @@ def _rank_color(index: int, count: int) -> tuple[float, float, float, float]:
 def _draw_predicted(ax: Any, record: Record, size: Mapping[str, Any]) -> None:
     """Not a timeline (nothing ran): the measured peaks per world size, the fitted model through
     them, and the predicted point, against the limits."""
-    from .predict import MODELS
+    from pytest_gpumem.judging.predict import MODELS
 
     fit = size["predicted"]
     points = sorted((int(n), float(v)) for n, v in (fit.get("fitted_on") or {}).items())

@@ -1,8 +1,8 @@
-"""What ``srun`` starts on every node: ``python -m pytest_gpumem.srun_task PORT ADDRESSES RANK-ARGV...``.
+"""What ``srun`` starts on every node: ``python -m pytest_gpumem.rankside.srun_task PORT ADDRESSES RANK-ARGV...``.
 
 One shim per Slurm task. It maps Slurm's variables to the env contract (``slurm_env.contract``),
 checks that the launch folder is there (it must be on a file system every node shares), starts
-the rank (``pytest_gpumem.rank``) as its child, and records in ``rank-N.task`` which node ran the
+the rank (``pytest_gpumem.rankside.rank``) as its child, and records in ``rank-N.task`` which node ran the
 rank and how the rank ended, which the parent cannot learn otherwise: srun reports one exit status
 for the whole step, and the rank may be on another host. A task that cannot start its rank says
 why in one ``gpumem-srun:`` line on stdout, which srun carries back to the parent even when the
@@ -46,7 +46,7 @@ def _wait_for(folder: Path) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
-        raise SystemExit("usage: python -m pytest_gpumem.srun_task PORT ADDRESSES RANK-ARGV...")
+        raise SystemExit("usage: python -m pytest_gpumem.rankside.srun_task PORT ADDRESSES RANK-ARGV...")
     port, addresses, rank_argv = int(argv[0]), parse_addresses(argv[1]), argv[2:]
     env = dict(os.environ)
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         say(**facts, event="folder-missing", folder=str(workdir))
         return NOT_SHARED_EXIT
 
-    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpumem.rank", *rank_argv], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpumem.rankside.rank", *rank_argv], env=env)
     protocol.write_task(workdir, rank, {**facts, "pid": proc.pid, "returncode": None})
 
     def forward(signum: int, _frame: object) -> None:  # scancel signals the whole step; srun may signal us alone

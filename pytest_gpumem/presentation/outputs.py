@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .spec import DEFAULT_TOLERANCE, SpecError, Tolerance, parse_tolerance
-from .verdict import against_reference
+from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, SpecError, Tolerance, parse_tolerance
+from pytest_gpumem.judging.verdict import against_reference
 
 Record = Mapping[str, Any]
 

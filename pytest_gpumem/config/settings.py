@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .rank import BOXING_ENV, FAST_EXIT_ENV
+from pytest_gpumem.rankside.rank import BOXING_ENV, FAST_EXIT_ENV
+
 from .spec import DEFAULT_TOLERANCE, DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
 
 

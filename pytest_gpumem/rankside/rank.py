@@ -1,4 +1,4 @@
-"""What runs inside a rank: ``python -m pytest_gpumem.rank pytest|script|module TARGET [ARGS...]``.
+"""What runs inside a rank: ``python -m pytest_gpumem.rankside.rank pytest|script|module TARGET [ARGS...]``.
 
 (``... rank exec PROGRAM [ARGS...]`` starts a launcher the same way: bound to die with pytest.)
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from . import protocol
 
 if TYPE_CHECKING:
-    from .sampling.allocations import AllocationTracker
-    from .sampling.nvml import NvmlSampler
+    from pytest_gpumem.sampling.allocations import AllocationTracker
+    from pytest_gpumem.sampling.nvml import NvmlSampler
 
 # Light on purpose: plugin.py imports this module in every pytest session (for the names above),
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
@@ -114,7 +114,7 @@ def peak_rss_kib() -> float:
 def _start_gpu_sampler() -> "NvmlSampler | None":
     """This rank's own GPU figure, sampled by a thread in the rank (for launches whose ranks the
     parent cannot see, e.g. on other nodes): NVML's per-process figure for our PID, same methods."""
-    from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
+    from pytest_gpumem.sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
 
     gpus = visible_gpus()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -137,9 +137,9 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
 
 
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None") -> None:
-    from .baseline import host_provenance
-    from .boxing import rank_provenance
-    from .sampling.allocations import METHOD as ALLOC_METHOD
+    from pytest_gpumem.oneflow.boxing import rank_provenance
+    from pytest_gpumem.sampling.allocations import METHOD as ALLOC_METHOD
+    from pytest_gpumem.sampling.identity import host_provenance
 
     alloc_mib = tracker.stop()
     provenance = {**host_provenance(os.environ), **framework_versions(),
@@ -201,14 +201,14 @@ def main(argv: list[str]) -> None:
         _die_with_parent()
         os.execv(argv[1], argv[1:])
     if len(argv) < 2 or argv[0] not in ("pytest", "script", "module"):
-        raise SystemExit("usage: python -m pytest_gpumem.rank pytest|script|module|exec TARGET [ARGS...]")
+        raise SystemExit("usage: python -m pytest_gpumem.rankside.rank pytest|script|module|exec TARGET [ARGS...]")
     mode, target, args = argv[0], argv[1], argv[2:]
     import runpy
 
-    from . import baseline  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
-    from .boxing import install_graph_hook
-    from .rendezvous import install_oneflow_gate
-    from .sampling.allocations import AllocationTracker
+    from pytest_gpumem.sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
+    from pytest_gpumem.oneflow.boxing import install_graph_hook
+    from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
+    from pytest_gpumem.sampling.allocations import AllocationTracker
 
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])

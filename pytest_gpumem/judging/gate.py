@@ -9,13 +9,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import boxing
-from .baseline import BaselineError, BaselineStore, Entry, host_provenance
+from pytest_gpumem.config.settings import Settings
+from pytest_gpumem.launching.runner import SizeRun, TestRun
+from pytest_gpumem.oneflow import boxing
+from pytest_gpumem.presentation.report import record
+from pytest_gpumem.sampling.allocations import is_allocation_method
+from pytest_gpumem.sampling.identity import host_provenance
+
+from .baseline import BaselineError, BaselineStore, Entry
 from .explain import config_provenance, provenance_diff, timeline_lines
-from .report import record
-from .runner import SizeRun, TestRun
-from .sampling.allocations import is_allocation_method
-from .settings import Settings
 from .verdict import BaselineRef, SizeResult, Verdict, judge
 
 

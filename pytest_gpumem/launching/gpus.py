@@ -6,9 +6,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pytest_gpumem.config.spec import Spec
+from pytest_gpumem.sampling.nvml import (
+    DEFAULT_INTERVAL_S,
+    NvmlSampler,
+    driver_versions,
+    foreign_processes,
+    visible_gpus,
+)
+
 from .leases import GpuLeases, LeaseError
-from .sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, driver_versions, foreign_processes, visible_gpus
-from .spec import Spec
 
 
 @dataclass

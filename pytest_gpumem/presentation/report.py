@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from .explain import imbalance, peak_times
-from .runner import TestRun
-from .verdict import Verdict
+from pytest_gpumem.judging.explain import imbalance, peak_times
+from pytest_gpumem.judging.verdict import Verdict
+from pytest_gpumem.launching.runner import TestRun
 
 
 def record(test: TestRun, verdict: Verdict | None, status: str, baselines: Mapping[int, float]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The cap is ``gpumem_max_nproc`` when set (so it can be exercised on CPU), else the GPUs present
 when the ranks would use GPUs, else none (host memory: every size launches, as before). A size
-above the cap is predicted from the launched sizes (:mod:`pytest_gpumem.predict`) when at least
+above the cap is predicted from the launched sizes (:mod:`pytest_gpumem.judging.predict`) when at least
 two distinct sizes fit under the cap; otherwise, or with ``--gpumem-no-predict``, the test is
 skipped as before, with the reason. Used by the plugin and by ``gpumem measure`` alike.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .predict import PredictError, predict
+from pytest_gpumem.config.spec import Spec
+from pytest_gpumem.judging.predict import PredictError, predict
+from pytest_gpumem.judging.verdict import SizeResult
+
 from .runner import Runner, TestRun
-from .spec import Spec
-from .verdict import SizeResult
 
 
 class Capacity:

@@ -29,12 +29,13 @@ from typing import Callable, Mapping
 
 import psutil
 
-from . import protocol
+from pytest_gpumem.config.spec import Spec
+from pytest_gpumem.rankside import protocol
+from pytest_gpumem.rankside.slurm_env import expand_hostlist, format_addresses
+from pytest_gpumem.rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
+
 from .gpus import GpuPlan
 from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
-from .slurm_env import expand_hostlist, format_addresses
-from .spec import Spec
-from .srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 
 SHARED_SUBDIR = ".gpumem-slurm"
 _CANCEL_GRACE_S = 3.0     # SIGTERM to the step, then SIGKILL: the same grace as a local launch
@@ -120,7 +121,7 @@ def srun_command(request: LaunchRequest, port: int, step_name: str, options: Slu
                  addresses: Mapping[str, str]) -> list[str]:
     nodes = effective_nodes(request.nnodes if request.nnodes is not None else options.nnodes, request.nproc)
     srun = shutil.which("srun") or "srun"
-    command = [sys.executable, "-m", "pytest_gpumem.rank", "exec",  # srun dies with pytest; Slurm
+    command = [sys.executable, "-m", "pytest_gpumem.rankside.rank", "exec",  # srun dies with pytest; Slurm
                srun, f"--job-name={step_name}",                     # then ends the step
                f"--ntasks={request.nproc}",
                # Our own fail-fast gives the other ranks 2 s to report, as in a local launch.
@@ -129,7 +130,7 @@ def srun_command(request: LaunchRequest, port: int, step_name: str, options: Slu
     if nodes is not None:
         command.append(f"--nodes={nodes}")
     command += list(options.srun_args)
-    command += [sys.executable, "-m", "pytest_gpumem.srun_task", str(port), format_addresses(addresses),
+    command += [sys.executable, "-m", "pytest_gpumem.rankside.srun_task", str(port), format_addresses(addresses),
                 *request.rank_argv]
     return command
 

@@ -9,19 +9,16 @@ with :mod:`json`, validated field by field, never pickled or evaluated.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fnmatch
 import glob
 import json
 import math
 import os
-import platform
 import re
 import stat
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,8 +27,6 @@ MAX_MIB = 2.0**40
 LOCK_NAME = ".gpumem.lock"
 LOCK_TIMEOUT_S = 300.0
 STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-write
-ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "MALLOC_ARENA_MAX")
-ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
 _INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
@@ -52,44 +47,6 @@ class Entry:
     device: str  # "gpu" | "cpu"
     method: str  # how it was measured, e.g. "high-water mark"
     provenance: dict[str, str]  # flat, so a diff shows exactly what changed
-
-
-def platform_key(device: str, gpu_name: str | None = None) -> str:
-    """``gpu:<name>`` or ``cpu:<model>``: peaks are only comparable on the same hardware."""
-    if device == "gpu":
-        if not gpu_name or not gpu_name.strip():
-            raise ValueError("platform_key('gpu') needs the GPU name, e.g. 'NVIDIA H200'")
-        return "gpu:" + " ".join(gpu_name.split())
-    if device == "cpu":
-        return "cpu:" + _cpu_model()
-    raise ValueError(f"device {device!r}: expected 'gpu' or 'cpu'")
-
-
-@lru_cache(maxsize=1)
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return " ".join(value.split())
-    return " ".join((platform.processor() or platform.machine() or "unknown").split())
-
-
-def host_provenance(env: Mapping[str, str]) -> dict[str, str]:
-    """Python, OS/arch, date and the set env knobs that move memory; no hostname, no home paths."""
-    out = {
-        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-        "platform": f"{platform.system()}-{platform.machine()}",
-        "python": platform.python_version(),
-    }
-    home = os.path.expanduser("~").rstrip("/")
-    for key in sorted(env):
-        if key in ENV_KNOBS or key.startswith(ENV_KNOB_PREFIXES):
-            value = str(env[key])
-            if home:  # keep user names out of committed files
-                value = "~" if value == home else value.replace(home + "/", "~/")
-            out[f"env.{key}"] = value
-    return out
 
 
 class _Obj(dict[str, Any]):
