@@ -3,8 +3,9 @@
 #   .venv-torch    Python 3.11 + torch (CPU build)
 # `make test` and `make demo` create them on first use.
 
-PY310 := $(shell tools/find-python 3.10)
-PY311 := $(shell tools/find-python 3.11)
+# (looked up when a venv is built: `make test-gpu` needs neither)
+PY310 = $(shell tools/find-python 3.10)
+PY311 = $(shell tools/find-python 3.11)
 OF := .venv-oneflow
 TO := .venv-torch
 FLOOR := .venv-floor
@@ -16,7 +17,7 @@ SMOKE := tests/test_install.py tests/test_gate_edges.py tests/test_settings.py t
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test test-slurm lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
+.PHONY: test test-gpu test-slurm lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -72,6 +73,13 @@ mutate: $(TO)/.ready
 PYVERS ?= 3.10 3.11 3.13
 dist-check: $(TO)/.ready
 	PYTHON=$(TO)/bin/python SMOKE="$(SMOKE)" tools/check-dist $(PYVERS)
+
+# The GPU tier (tests marked gpu: CUDA + NCCL launches, NVML read by the ranks themselves), on a
+# machine with NVIDIA GPUs; no test may skip there. PYTHON: an interpreter with torch built for CUDA
+# and the plugin importable (results: benchmarks/results/test_gpu.txt, with the command used).
+GPU_PYTHON ?= $(TO)/bin/python
+test-gpu:
+	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py
 
 # launcher=srun through a real Slurm: installs Debian's slurm and munge (apt, root), brings up a
 # local cluster of two emulated nodes, runs tests/test_slurm.py inside an allocation of both (none
