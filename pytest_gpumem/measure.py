@@ -19,11 +19,14 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .config import inifile
 from .config.settings import OPTIONS, SettingsError, option, resolve
 from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
+
+if TYPE_CHECKING:
+    from .judging.record import TestRecord
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 _PYTHON = re.compile(r"^python[\d.]*$")
@@ -155,13 +158,13 @@ def _writable(folder: Path) -> bool:
 
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
+    from .judging.record import build, report_document
     from .judging.verdict import judge
     from .launching import scaling
     from .launching.gpus import GpuPlanner
     from .launching.leases import default_lease_dir
     from .launching.runner import Runner
     from .presentation import outputs
-    from .presentation.report import record
     from .sampling.nvml import visible_gpus
 
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
@@ -176,12 +179,11 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     verdict = judge(spec, test.results) if test.results and not test.problems else None
     status = ("skip" if test.skip_reason else "ERROR" if test.problems
               else "pass" if verdict is not None and verdict.passed else "ERROR")
-    rec = record(test, verdict, status, {})
-    rec["messages"] = list(test.problems) + ([test.skip_reason] if test.skip_reason else [])
+    rec = build(test, verdict, status, messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
     for line in scaling_table(rec):
         print(line)
     if args.report is not None:
-        args.report.write_text(json.dumps({"schema": outputs.SCHEMA, "tests": [rec]}, indent=2) + "\n")
+        args.report.write_text(json.dumps(report_document([rec]), indent=2) + "\n")
     if args.markdown is not None:
         args.markdown.write_text(outputs.markdown([rec]))
     if args.plots is not None:
@@ -190,7 +192,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         plots.plot_all([rec], args.plots)
     if status == "pass":
         return 0
-    for message in rec["messages"] or [str(c) for c in (verdict.failures if verdict else [])]:
+    for message in rec.messages or [str(c) for c in (verdict.failures if verdict else [])]:
         print(f"gpumem measure: {message}", file=sys.stderr)
     return 1
 
@@ -203,27 +205,25 @@ def _mib(value: Any) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def scaling_table(rec: Mapping[str, Any]) -> list[str]:
+def scaling_table(rec: TestRecord) -> list[str]:
     """One row per world size: the gated rank, the other ranks' range, the largest, the ratio to
     nproc=1; a predicted size says so and on what it stands."""
     header = ("nproc", "gated MiB", "other ranks MiB", "largest MiB", "ratio", "seconds", "how")
     rows = []
-    for size in rec["sizes"]:
-        ranks = {int(r): v for r, v in size["ranks"].items() if v is not None}
-        gated = size["gated_rank"]
-        others = [v for r, v in ranks.items() if f"rank {r}" != gated]
+    for size in rec.sizes:
+        ranks = {r: p.mib for r, p in size.ranks.items() if p.mib is not None}
+        others = [v for r, v in ranks.items() if r != size.gated_rank]
         largest = max(ranks.items(), key=lambda item: item[1]) if ranks else None
-        fit = size.get("predicted")
-        how = f"{size['device']}, {fit['basis']}" if fit else (
-            f"{size['device']}, " + ", ".join(sorted(set(size["methods"].values())) or ["not available"]))
+        how = f"{size.device}, {size.basis}" if size.predicted else (
+            f"{size.device}, " + ", ".join(sorted({p.method for p in size.ranks.values()}) or ["not available"]))
         rows.append((
-            str(size["nproc"]) + (" (predicted)" if fit else ""),
-            f"{_mib(size['gated_mib'])} ({gated})",
+            str(size.nproc) + (" (predicted)" if size.predicted else ""),
+            f"{_mib(size.gated_mib)} ({size.gated_label})",
             "-" if not others else (_mib(min(others)) if min(others) == max(others)
                                     else f"{min(others):.1f}-{max(others):.1f}"),
             "-" if largest is None else f"{largest[1]:.1f} (rank {largest[0]})",
-            "-" if size["ratio"] is None else f"{size['ratio']:.2f}x",
-            "-" if fit else f"{size['duration_s']:.1f}",
+            "-" if size.ratio is None else f"{size.ratio:.2f}x",
+            "-" if size.predicted else f"{size.duration_s:.1f}",
             how,
         ))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -231,5 +231,5 @@ def scaling_table(rec: Mapping[str, Any]) -> list[str]:
     def line(row: Sequence[str]) -> str:
         return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
 
-    title = f"gpumem measure: {rec['test']} ({rec['launcher']} launcher): {rec['status']}"
+    title = f"gpumem measure: {rec.test} ({rec.launcher} launcher): {rec.status}"
     return [title, line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]

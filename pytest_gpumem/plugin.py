@@ -22,7 +22,8 @@ from .rankside import protocol
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
 
 if TYPE_CHECKING:
-    from .judging.gate import Gate
+    from .gate import Gate
+    from .judging.record import TestRecord
     from .launching.runner import Runner
     from .launching.scaling import Capacity
 
@@ -209,7 +210,7 @@ class ParentSide:
         self.settings = resolved
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
-        self.records: list[dict[str, Any]] = []
+        self.records: list[TestRecord] = []
         self.is_worker = hasattr(config, "workerinput")
         self._machinery: tuple[Gate, Runner] | None = None
         self._capacity: Capacity | None = None
@@ -217,8 +218,8 @@ class ParentSide:
     def machinery(self) -> tuple[Gate, Runner]:
         """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
         if self._machinery is None:
+            from .gate import Gate
             from .judging.baseline import BaselineStore
-            from .judging.gate import Gate
             from .launching.gpus import GpuPlanner
             from .launching.leases import default_lease_dir
             from .launching.runner import Runner
@@ -286,7 +287,7 @@ class ParentSide:
             self._capacity = scaling.Capacity(self.settings.max_nproc, self.settings.predict,
                                               lambda: len(visible_gpus()))
         outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity))
-        item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record)))
+        item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record.to_json())))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:
             pytest.skip(outcome.skip_reason)
@@ -309,20 +310,22 @@ class ParentSide:
             return
         for key, value in report.user_properties:
             if key == _RECORD_KEY:
-                rec = json.loads(str(value))
+                from .judging.record import TestRecord
+
+                rec = TestRecord.from_json(json.loads(str(value)), report.nodeid)
                 if hasattr(report, "wasxfail"):
-                    rec["status"] = "XFAIL" if report.skipped else "XPASS"
+                    rec = rec.with_status("XFAIL" if report.skipped else "XPASS")
                 self.records.append(rec)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
         from .presentation.report import refresh_lines, table
-        records = sorted(self.records, key=lambda r: r["test"])
+        records = sorted(self.records, key=lambda r: r.test)
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
             terminalreporter.write_line(line)
-        caught = [(r["test"], r["status"], m) for r in records for m in r["messages"]]
+        caught = [(r.test, r.status, m) for r in records for m in r.messages]
         if caught:
             terminalreporter.section("gpumem: limits exceeded")
             for test, status, message in caught:
@@ -335,13 +338,14 @@ class ParentSide:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """The controller writes each output once, covering every xdist worker."""
-        s, records = self.settings, sorted(self.records, key=lambda r: r["test"])
+        s, records = self.settings, sorted(self.records, key=lambda r: r.test)
         if self.is_worker or not (records or s.report is not None or s.benchmark_json is not None):
             return
+        from .judging.record import report_document
         from .presentation import outputs
 
         if s.report is not None:
-            _write(s.report, json.dumps({"schema": 1, "tests": records}, indent=2) + "\n")
+            _write(s.report, json.dumps(report_document(records), indent=2) + "\n")
         if s.benchmark_json is not None:
             _write(s.benchmark_json, json.dumps(outputs.benchmark_json(records), indent=2) + "\n")
         if not records:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import cli
-from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
 from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, against_reference, judge
 from pytest_gpumem.presentation import outputs
 from pytest_gpumem.sampling import Peak
@@ -149,9 +150,10 @@ def test_the_one_rule(measured, kind):
 # -- gpumem diff: the same rule ---------------------------------------------------------------
 
 
-def report(mib: float, tolerance: str = "5%") -> list[dict[str, Any]]:
-    size = {"nproc": 2, "device": "cpu", "gated_rank": "rank 0", "gated_mib": mib}
-    return [{"test": "t.py::test", "status": "pass", "limits": {"tolerance": tolerance}, "sizes": [size]}]
+def report(mib: float, tolerance: str = "5%") -> list[TestRecord]:
+    size = SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=mib)
+    return [TestRecord("t.py::test", "pass", (2,), limits=Limits(tolerance=tolerance or str(DEFAULT_TOLERANCE)),
+                       sizes=(size,))]
 
 
 @pytest.mark.parametrize(
@@ -180,7 +182,7 @@ def test_diff_command_exit_code_edge(tmp_path: Path, new, code):
     paths = []
     for name, mib in (("old", 1000.0), ("new", new)):
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"schema": 1, "tests": report(mib)}))
+        path.write_text(json.dumps(report_document(report(mib))))
         paths.append(str(path))
     assert cli.main(["diff", *paths]) == code
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import TAG_ENV, processes_tagged
 from pytest_gpumem import measure
-from pytest_gpumem.presentation import outputs
+from pytest_gpumem.judging.record import load_report
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +52,9 @@ def test_measure_prints_the_scaling_table_of_a_script_and_leaves_nothing(tmp_pat
     assert rows["1"][1].endswith("(rank 0)") and rows["1"][4] == "-" and rows["1"][6].startswith("cpu, ")
     assert re.fullmatch(r"\d+\.\d\dx", rows["2"][4]) and rows["2"][2] != "-"  # ratio; rank 1's peak
     assert rows["4 (predicted)"][6] == "cpu, predicted by a + b*N from nproc 1,2; LOO error n/a: two sizes"
-    records = outputs.load_report(report)  # the plugin's format: gpumem diff reads it
-    sizes = [(s["nproc"], bool(s["predicted"])) for s in records[0]["sizes"]]
-    assert sizes == [(1, False), (2, False), (4, True)]
-    assert len(records[0]["sizes"][1]["ranks"]) == 2
+    records = load_report(report)  # the plugin's format: gpumem diff reads it
+    assert [(s.nproc, s.predicted) for s in records[0].sizes] == [(1, False), (2, False), (4, True)]
+    assert len(records[0].sizes[1].ranks) == 2
     assert "**predicted**" in markdown.read_text()
     # The launch folders are gone (torch itself may leave its compile cache folder there).
     assert [p.name for p in private_tmp.iterdir() if p.name.startswith("gpumem")] == []

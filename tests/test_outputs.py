@@ -1,53 +1,57 @@
 """CI gate outputs: Markdown summary, benchmark JSON, JUnit properties, plots, ``gpumem diff``.
 
-Fast: records are built by hand, plus one real JSON report (torch DDP on CPU, a healthy test and an
-inflating one) captured with ``pytest --gpumem --gpumem-report`` into tests/data/.
+Fast: records are built through the record's own constructors, plus one real JSON report (torch
+DDP on CPU, a healthy test and an inflating one) captured with
+``pytest --gpumem --gpumem-report=tests/data/record_torch_ddp.json examples/test_torch_ddp.py``,
+and the same examples' report of schema 1 (before the typed record), which ``gpumem diff`` still reads.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+import dataclasses
 from typing import Any
 
 import pytest
 
 from pytest_gpumem import cli
+from pytest_gpumem.judging.record import CheckRecord, Limits, RankPeak, SizeRecord, TestRecord, load_report
 from pytest_gpumem.presentation import outputs, plots
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
+REAL_SCHEMA1 = Path(__file__).parent / "data" / "record_torch_ddp_schema1.json"
 HEALTHY = "examples/test_torch_ddp.py::test_torch_ddp"
 INFLATED = "examples/test_torch_ddp.py::test_torch_ddp_inflated"
 
 
 def size(nproc: int, gated: float | None, baseline: float | None = None, *, ratio: float | None = None,
-         failed: bool = False, device: str = "gpu", rank: str = "rank 0", reused: bool = False) -> dict[str, Any]:
-    ranks = {str(r): gated for r in range(nproc)}
-    return {"nproc": nproc, "device": device, "gated_rank": rank, "gated_mib": gated, "others_max_mib": gated,
-            "ratio": ratio, "baseline_mib": baseline, "ranks": ranks,
-            "methods": {r: "per-pid sampled" for r in ranks}, "host_ranks": {}, "duration_s": 1.0,
-            "reused": reused, "timeline": [[0.0, {"0": 10.0}], [0.5, {"0": gated or 0.0}]], "failed": failed}
+         failed: bool = False, device: str = "gpu", rank: int = 0, largest: bool = False, reused: bool = False,
+         method: str = "per-pid sampled") -> SizeRecord:
+    check = CheckRecord("max_ratio", not failed, gated, 1000.0, "over the ratio limit" if failed else "within it")
+    return SizeRecord(nproc=nproc, device=device, gated_rank=rank,
+                      gated_label=f"rank {rank}" + (" (largest)" if largest else ""), gated_mib=gated,
+                      ranks={r: RankPeak(gated, method) for r in range(nproc)}, checks=(check,), ratio=ratio,
+                      baseline_mib=baseline, others_max_mib=gated, duration_s=1.0, reused=reused,
+                      timeline=((0.0, {0: 10.0}), (0.5, {0: gated or 0.0})))
 
 
-def rec(test: str, status: str, *sizes: dict[str, Any], messages: list[str] | None = None,
-        tolerance: str = "5%+32MiB", rank: int | str = 0, max_mib: float | None = None) -> dict[str, Any]:
-    return {"test": test, "status": status, "nproc": [s["nproc"] for s in sizes] or [2], "launcher": "direct",
-            "limits": {"max_mib": max_mib, "max_ratio": 1.2, "allow_mib": 16.0, "rank": rank,
-                       "tolerance": tolerance},
-            "sizes": list(sizes), "provenance": {}, "messages": messages or [], "notes": [],
-            "baseline_changes": []}
+def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None = None,
+        tolerance: str = "5%+32MiB", rank: int | str = 0, max_mib: float | None = None) -> TestRecord:
+    return TestRecord(test=test, status=status, nproc=tuple(s.nproc for s in sizes) or (2,),
+                      limits=Limits(max_mib=max_mib, max_ratio=1.2, allow_mib=16.0, rank=rank, tolerance=tolerance),
+                      sizes=sizes, messages=tuple(messages or ()))
 
 
 @pytest.fixture(scope="module")
-def real() -> list[dict[str, Any]]:
-    return outputs.load_report(REAL)
+def real() -> list[TestRecord]:
+    return load_report(REAL)
 
 
-def mixed() -> list[dict[str, Any]]:
+def mixed() -> list[TestRecord]:
     return [
         rec("t/a.py::test_pass", "pass", size(1, 500.0, 500.0), size(2, 530.0, 500.0, ratio=1.06)),
         rec("t/b.py::test_fail", "FAIL", size(1, 1000.0, 1000.0), size(8, 2650.0, 1100.0, ratio=2.65, failed=True),
@@ -119,7 +123,7 @@ def test_markdown_of_the_real_report(real):
     text = outputs.markdown(real)
     assert text.startswith("✅ **pytest-gpumem**: 1 expected failure, 1 passed")
     assert text.index(INFLATED) < text.index(HEALTHY + "`")
-    assert "(rank 0, cpu)" in text and "1.36x" in text
+    assert "(rank 0, cpu)" in text and f"{real[1].sizes[1].ratio:.2f}x" in text
     assert f"- **XFAIL** `{INFLATED}`: rank 0 at nproc=2 (cpu)" in text
 
 
@@ -133,14 +137,14 @@ def test_benchmark_json_is_custom_smaller_is_better(real):
     for entry in entries:
         assert set(entry) == {"name", "unit", "value", "extra"}
         assert entry["unit"] == "MiB" and isinstance(entry["value"], float) and entry["value"] > 0
-        assert entry["extra"].startswith("cpu, high-water mark, rank 0")
-    assert "ratio 1.36x to nproc=1" in entries[3]["extra"]
+        assert entry["extra"].startswith("cpu, live allocations (memray), rank 0")
+    assert f"ratio {real[1].sizes[1].ratio:.2f}x to nproc=1" in entries[3]["extra"]
     json.dumps(entries)  # what the action reads
 
 
 def test_benchmark_json_names_stay_stable_and_skip_unmeasured():
     records = [
-        rec("t::all", "pass", size(2, 900.0, rank="rank 1 (largest)"), rank="all"),
+        rec("t::all", "pass", size(2, 900.0, rank=1, largest=True), rank="all"),
         rec("t::crashed", "ERROR", size(2, 12.0)),
         rec("t::half", "FAIL", size(1, None), size(2, 50.0)),
     ]
@@ -184,7 +188,7 @@ def test_x(record_property):
     root = ET.parse(pytester.path / "junit.xml").getroot()
     found = {p.get("name"): p.get("value") for p in root.iter("property")}
     assert found["gpumem_status"] == "pass"
-    assert found["gpumem_nproc2_gated_mib"] == f"{real[0]['sizes'][1]['gated_mib']:.2f}"
+    assert found["gpumem_nproc2_gated_mib"] == f"{real[0].sizes[1].gated_mib:.2f}"
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -196,7 +200,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_plot_writes_a_png_per_test(real, tmp_path):
     pytest.importorskip("matplotlib")
     paths = plots.plot_all(real, tmp_path / "plots")
-    assert [p.name for p in paths] == [plots.plot_filename(r["test"]) for r in real]
+    assert [p.name for p in paths] == [plots.plot_filename(r.test) for r in real]
     for path in paths:
         data = path.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000
@@ -204,11 +208,9 @@ def test_plot_writes_a_png_per_test(real, tmp_path):
 
 def test_plot_copes_with_missing_samples_and_limits(tmp_path):
     pytest.importorskip("matplotlib")
-    bare = size(2, None, device="cpu")
-    bare["timeline"] = []
-    record = rec("t::odd[a/b|c]", "ERROR", bare, size(4, 900.0, 800.0, ratio=None, failed=True),
-                 max_mib=850.0, tolerance="broken")
-    path = tmp_path / plots.plot_filename(record["test"])
+    bare = dataclasses.replace(size(2, None, device="cpu"), timeline=(), checks=())
+    record = rec("t::odd[a/b|c]", "ERROR", bare, size(4, 900.0, 800.0, ratio=None, failed=True), max_mib=850.0)
+    path = tmp_path / plots.plot_filename(record.test)
     plots.plot(record, path)
     assert path.read_bytes()[:8] == PNG_MAGIC
     assert "/" not in path.name and "|" not in path.name
@@ -270,16 +272,17 @@ def test_compare_tolerance_is_the_tests_own_unless_overridden():
 
 
 def write_report(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text(json.dumps({"schema": 1, "tests": records}))
+    path.write_text(json.dumps({"schema": 2, "tests": records}))
     return path
 
 
 @pytest.fixture
-def reports(tmp_path, real) -> dict[str, Path]:
-    """The real report, the same with the healthy test 30% bigger at nproc=2, and broken ones."""
-    inflated = copy.deepcopy(real)
+def reports(tmp_path) -> dict[str, Path]:
+    """The real report, the same with the healthy test 30% bigger at nproc=2, and broken ones (as
+    JSON: what a file on disk holds)."""
+    inflated = json.loads(REAL.read_text())["tests"]
     inflated[0]["sizes"][1]["gated_mib"] *= 1.3
-    bad_field = copy.deepcopy(real)
+    bad_field = json.loads(REAL.read_text())["tests"]
     bad_field[1]["sizes"][0]["gated_mib"] = "lots"
     (tmp_path / "not.json").write_text("{ not json")
     (tmp_path / "schema.json").write_text(json.dumps({"schema": 7, "tests": []}))
@@ -296,7 +299,7 @@ def reports(tmp_path, real) -> dict[str, Path]:
 def test_diff_cli_exit_codes(reports, capsys, tmp_path):
     assert cli.main(["diff", str(reports["real"]), str(reports["real"])]) == 0
     out = capsys.readouterr().out
-    assert "gpumem diff: 4 unchanged" in out and "10%+64MiB" in out  # the examples' own tolerance
+    assert "gpumem diff: 4 unchanged" in out and "2%+8MiB" in out  # the examples' own tolerance
 
     md = tmp_path / "out" / "diff.md"
     assert cli.main(["diff", str(reports["real"]), str(reports["inflated"]), "--markdown", str(md),
@@ -314,8 +317,8 @@ def test_diff_cli_exit_codes(reports, capsys, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "missing.json: cannot read: No such file or directory"),
     ("not_json", "not.json: not JSON: "),
-    ("schema", "schema.json: schema: expected 1 (a pytest --gpumem-report file), got 7"),
-    ("bad_field", "bad_field.json: tests[1].sizes[0].gated_mib: expected a number of MiB or null, got 'lots'"),
+    ("schema", "schema.json: schema: expected 1 or 2 (a pytest --gpumem-report file), got 7"),
+    ("bad_field", "bad_field.json: tests[1].sizes[0].gated_mib: expected a finite number or null, got 'lots'"),
 ])
 def test_diff_cli_bad_input_names_the_file(reports, capsys, case, message):
     assert cli.main(["diff", str(reports["real"]), str(reports[case])]) == 2
@@ -336,7 +339,7 @@ def test_diff_as_a_command(reports):
     regressed = run(reports["real"], reports["inflated"])
     assert regressed.returncode == 1 and "1 regression" in regressed.stdout
     broken = run(reports["schema"], reports["real"])
-    assert broken.returncode == 2 and "schema.json: schema: expected 1" in broken.stderr
+    assert broken.returncode == 2 and "schema.json: schema: expected 1 or 2" in broken.stderr
 
 
 @pytest.mark.parametrize("device, method, why", [
@@ -348,8 +351,7 @@ def test_plot_legend_says_why_the_gated_line_is_off_the_curves(tmp_path, device,
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    one = size(1, 300.0, device=device)
-    one["methods"] = {"0": method}
+    one = size(1, 300.0, device=device, method=method)
     ax = Figure().subplots()
     plots._draw_size(ax, rec("t::legend", "pass", one), one)
     labels = [text.get_text() for text in ax.get_legend().get_texts()]

@@ -3,7 +3,7 @@ and the plan of what to launch and what to predict (no launches here)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +20,7 @@ from pytest_gpumem.judging.predict import (
     loo_error,
     predict,
 )
+from pytest_gpumem.judging.record import build
 from pytest_gpumem.judging.verdict import SizeResult, judge
 from pytest_gpumem.launching.scaling import Capacity, plan
 from pytest_gpumem.sampling import Peak
@@ -215,7 +216,6 @@ def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
 def _predicted_record():
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runner import SizeRun, TestRun
-    from pytest_gpumem.presentation.report import record
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
@@ -223,7 +223,7 @@ def _predicted_record():
     test = TestRun("t/p.py::test_grows", s,
                    runs=[SizeRun(r, LaunchResult(r.world_size, "direct", []), {}) for r in launched],
                    predicted=[SizeResult(8, "cpu", {}, prediction=p)])
-    return record(test, judge(s, test.results), "FAIL", {})
+    return build(test, judge(s, test.results), "FAIL")
 
 
 def test_every_output_labels_the_predicted_size():
@@ -231,9 +231,9 @@ def test_every_output_labels_the_predicted_size():
     from pytest_gpumem.presentation.report import table
 
     rec = _predicted_record()
-    sizes = {s["nproc"]: s for s in rec["sizes"]}
-    assert sizes[8]["predicted"]["basis"] == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
-    assert sizes[4]["predicted"] is None and sizes[8]["failed"] and not sizes[4]["failed"]
+    sizes = {s.nproc: s for s in rec.sizes}
+    assert sizes[8].basis == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
+    assert sizes[4].prediction is None and sizes[8].failed and not sizes[4].failed
     lines = table([rec])
     assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("FAIL")
     assert lines[-1] == "nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; LOO error 0.0%, not launched"
@@ -255,12 +255,12 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
     path = tmp_path / "p.png"
     plots.plot(rec, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    title = plots._size_title(rec, rec["sizes"][-1])
+    title = plots._size_title(rec, rec.sizes[-1])
     assert title.startswith("nproc=8 (cpu memory): PREDICTED, not launched: rank 0 740.0 MiB, 1.23x nproc=1 — FAIL")
 
 
 def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
-    from pytest_gpumem.judging.gate import explain_failure
+    from pytest_gpumem.gate import explain_failure
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runner import SizeRun, TestRun
 
@@ -286,9 +286,8 @@ def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
     from pytest_gpumem.presentation import outputs
 
     predicted = _predicted_record()
-    measured = json.loads(json.dumps(predicted))
-    measured["sizes"][-1]["predicted"] = None
-    measured["sizes"][-1]["gated_mib"] = 600.0
+    measured = dataclasses.replace(predicted, sizes=(*predicted.sizes[:-1], dataclasses.replace(
+        predicted.sizes[-1], prediction=None, gated_mib=600.0)))
     kinds = {(r.test, r.nproc): r.kind for r in outputs.compare([measured], [predicted]).rows}
     assert kinds[("t/p.py::test_grows", 8)] == "predicted on one side"
     assert kinds[("t/p.py::test_grows", 4)] == "unchanged"

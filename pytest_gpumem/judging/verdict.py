@@ -55,6 +55,16 @@ class SizeResult:
         """What the figure stands on, next to the device: empty for a measurement."""
         return "" if self.prediction is None else self.prediction.describe()
 
+    def gated_rank(self, rank: int | str) -> int | None:
+        """Which rank is gated: ``rank`` itself, or for ``rank="all"`` the largest one (None when no
+        rank was measured, or for a predicted size)."""
+        if rank != "all":
+            return int(rank)
+        if self.prediction is not None:
+            return None
+        known = [(p.mib, r) for r, p in self.peaks.items() if p.mib is not None]
+        return max(known)[1] if known else None
+
     def gated(self, rank: int | str) -> tuple[str, float | None]:
         """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
         if self.prediction is not None:

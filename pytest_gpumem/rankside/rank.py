@@ -205,9 +205,9 @@ def main(argv: list[str]) -> None:
     mode, target, args = argv[0], argv[1], argv[2:]
     import runpy
 
-    from pytest_gpumem.sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from pytest_gpumem.oneflow.boxing import install_graph_hook
     from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
+    from pytest_gpumem.sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from pytest_gpumem.sampling.allocations import AllocationTracker
 
     _die_with_parent()

@@ -7,25 +7,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
-from pytest_gpumem.config.settings import Settings
-from pytest_gpumem.launching.runner import SizeRun, TestRun
-from pytest_gpumem.oneflow import boxing
-from pytest_gpumem.presentation.report import record
-from pytest_gpumem.sampling.allocations import is_allocation_method
-from pytest_gpumem.sampling.identity import host_provenance
-
-from .baseline import BaselineError, BaselineStore, Entry
-from .explain import config_provenance, provenance_diff, timeline_lines
-from .verdict import BaselineRef, SizeResult, Verdict, judge
+from .config.settings import Settings
+from .judging.baseline import BaselineError, BaselineStore, Entry
+from .judging.explain import config_provenance, provenance_diff, timeline_lines
+from .judging.record import BaselineChange, TestRecord, build
+from .judging.verdict import BaselineRef, SizeResult, Verdict, judge
+from .launching.runner import SizeRun, TestRun
+from .oneflow import boxing
+from .sampling.allocations import is_allocation_method
+from .sampling.identity import host_provenance
 
 
 @dataclass
 class Outcome:
     """What the user's session makes of one gpumem test."""
 
-    record: dict[str, Any]
+    record: TestRecord
     skip_reason: str | None = None
     failure: str | None = None  # the whole, self-contained message
     warnings: list[str] = field(default_factory=list)
@@ -59,12 +57,11 @@ class Gate:
                 except BaselineError as exc:
                     problems.append(f"baseline not refreshed (file left untouched): {exc}")
         changed = provenance_diff(next(iter(stored.values())).provenance, test.provenance) if stored else []
-        rec = record(test, verdict, _status(test, verdict, problems), {n: e.gated_mib for n, e in stored.items()})
-        rec["baseline_changes"] = [[n, old.gated_mib if old else None, new.gated_mib]
-                                   for n, (old, new) in sorted(changes.items())]
-        rec["changed_since_baseline"] = changed
-        if problems:
-            rec["messages"] = problems
+        rec = build(test, verdict, _status(test, verdict, problems),
+                    baselines={n: e.gated_mib for n, e in stored.items()},
+                    changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
+                             for n, (old, new) in sorted(changes.items())],
+                    changed=changed, messages=problems or None)
         outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
         if test.skip_reason is not None:
             return outcome
@@ -126,7 +123,7 @@ class Gate:
         entries: dict[int, Entry] = {}
         platform = ""
         for result in test.results:
-            label, gated = result.gated(spec.rank)
+            _, gated = result.gated(spec.rank)
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
             platform = result.platform
@@ -214,8 +211,8 @@ def metric(method: str) -> str:
 
 
 def _gated_method(result: SizeResult, rank: int | str) -> str:
-    label, _ = result.gated(rank)
-    peak = result.peaks.get(int(label.split()[1])) if label.split()[1].isdigit() else None
+    gated = result.gated_rank(rank)
+    peak = result.peaks.get(gated) if gated is not None else None
     return peak.method if peak is not None else result.methods
 
 

@@ -1,0 +1,78 @@
+"""The package's layering, enforced: each subpackage imports only the layers below it, and only the
+pytest glue imports pytest (ruff's banned-import rule covers the latter for the package).
+
+    config        what the user asks for (marker, settings, ini)
+    sampling      measurement: memray in the rank, RSS and NVML from the parent, host identity
+    oneflow       OneFlow-only code (boxing audit, rendezvous)
+    rankside      what runs inside a rank, and the files it exchanges with its parent
+    judging       verdicts, baselines, predictions, the typed record: functions of measurements
+    launching     the parent side of a launch, which hands its measurements to judging's types
+    presentation  renderers of the record
+    top level     plugin (pytest glue), gate (one test's outcome), cli and measure (commands)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
+LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
+TOP = {"plugin", "gate", "cli", "measure"}
+# Imports that reach up a layer on purpose, each with its reason.
+ALLOWED_UP = {
+    # the one option table names the rank side's environment switches (their names: strings)
+    ("config", "rankside"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The pytest_gpumem subpackages a module imports, type-checking-only imports included."""
+    found = set()
+    own = path.relative_to(PACKAGE).parts
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = list(own[:-1])[: len(own) - node.level] if node.level > 1 else list(own[:-1])
+                parts = base + (node.module.split(".") if node.module else [])
+                if not parts:  # from . import x (in a top-level module): x is the subpackage
+                    found.update(alias.name for alias in node.names)
+                    continue
+            elif node.module and node.module.startswith("pytest_gpumem."):
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            found.add(parts[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[1] for alias in node.names
+                         if alias.name.startswith("pytest_gpumem."))
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_layer_imports_only_the_layers_below_it(path: Path):
+    layer = path.relative_to(PACKAGE).parts[0]
+    below = set(LAYERS[: LAYERS.index(layer) + 1])
+    up = {target for target in _imports(path) & set(LAYERS) if target not in below}
+    assert up <= {target for source, target in ALLOWED_UP if source == layer}, (
+        f"{path.relative_to(PACKAGE)} imports {sorted(up)}, above its layer {layer!r}: "
+        f"move the shared code down, or pass it in")
+
+
+def test_nothing_below_the_top_level_imports_it():
+    for path in MODULES:
+        top = _imports(path) & TOP
+        assert not top, f"{path.relative_to(PACKAGE)} imports the top-level module(s) {sorted(top)}"
+
+
+def test_the_top_level_holds_only_the_entry_points_and_the_gate():
+    assert {p.stem for p in PACKAGE.glob("*.py")} == TOP | {"__init__"}
+
+
+def test_the_layer_list_names_every_subpackage():
+    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(LAYERS)

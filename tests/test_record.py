@@ -1,0 +1,96 @@
+"""The typed per-test record: one (de)serializer, versioned, that names every bad field; records of
+schema 1 (before the typed record) still read, so ``gpumem diff`` compares across an upgrade."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.judging.record import (SCHEMA, BaselineChange, CheckRecord, FloorRecord, Limits, RankPeak,
+                                          ReportError, SizeRecord, TestRecord, load_report, parse_report,
+                                          report_document)
+from pytest_gpumem.presentation import outputs
+
+DATA = Path(__file__).parent / "data"
+
+
+def full_record() -> TestRecord:
+    size = SizeRecord(
+        nproc=2, device="gpu", gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
+        ranks={0: RankPeak(800.0, "per-pid sampled"), 1: RankPeak(812.5, "per-pid sampled"), 2: RankPeak(None, "")},
+        checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib"),
+                CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline")),
+        ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, host_ranks={0: 120.5, 1: 121.0}, rss_ranks={0: 300.0},
+        floor=FloorRecord("torch", "CUDA context + torch start-up + communicator", {0: 612.0, 1: 612.0}),
+        peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015, duration_s=3.5, reused=False, nodes={0: "n1", 1: "n2"},
+        timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})),
+        prediction=None)
+    predicted = SizeRecord(nproc=8, device="gpu", gated_rank=None, gated_label="largest rank", gated_mib=900.0,
+                           prediction={"mib": 900.0, "basis": "predicted by a + b*N from nproc 1,2", "model": "linear"})
+    return TestRecord(test="t.py::test_x[a|b]", status="FAIL", nproc=(2, 8), launcher="torchrun",
+                      limits=Limits(max_mib=900.0, max_ratio=None, allow_mib=0.0, rank="all", tolerance="5%+32MiB"),
+                      sizes=(size, predicted), provenance={"torch": "2.13.0"}, messages=("over",), notes=("n",),
+                      baseline_changes=(BaselineChange(2, None, 812.5), BaselineChange(8, 800.0, 812.5)),
+                      changed_since_baseline=("torch 2.12 -> 2.13",))
+
+
+def test_a_record_survives_json_unchanged():
+    record = full_record()
+    doc = json.loads(json.dumps(report_document([record])))
+    assert doc["schema"] == SCHEMA == 2
+    assert parse_report(doc) == [record]
+
+
+def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():
+    record = full_record()
+    size = record.sizes[0]
+    assert size.failed and not record.sizes[1].failed
+    assert size.gated_method == "per-pid sampled"  # of rank 1, the gated one: an int, no label parsed
+    assert [c.limit_mib for c in size.limits()] == [900.0, 700.0]
+    assert record.size_verdict(size) == "FAIL" and record.size_verdict(record.sizes[1]) == "ok"
+    assert record.sizes[1].predicted and record.sizes[1].basis.startswith("predicted by a + b*N")
+    assert record.with_status("XFAIL").size_verdict(record.sizes[1]) == "ok"
+
+
+def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
+    """The report of the examples recorded before the typed record (schema 1)."""
+    old = load_report(DATA / "record_torch_ddp_schema1.json")
+    inflated = next(r for r in old if r.test.endswith("inflated"))
+    size = inflated.size(2)
+    assert size is not None and size.gated_rank == 0 and size.gated_label == "rank 0"
+    assert inflated.status == "XFAIL" and size.failed and inflated.size_verdict(size) == "XFAIL"
+    assert not inflated.size(1).failed and inflated.size_verdict(inflated.size(1)) == "ok"
+    assert size.gated_method == "high-water mark"
+    # and gpumem diff compares it with a report of this schema: the same sizes, a number each
+    new = load_report(DATA / "record_torch_ddp.json")
+    rows = outputs.compare(old, new).rows
+    assert {(r.test, r.nproc) for r in rows} == {(r.test, s.nproc) for r in new for s in r.sizes}
+    assert all(r.old_mib is not None and r.new_mib is not None for r in rows)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.update(status="great"), "tests[0].status: expected one of pass, FAIL, ERROR, skip, XFAIL, XPASS, "
+                                         "got 'great'"),
+    (lambda t: t["limits"].update(rank=-1), "tests[0].limits.rank: expected an integer >= 0 or 'all', got -1"),
+    (lambda t: t["limits"].update(tolerance="lots"), "tests[0].limits.tolerance: "),
+    (lambda t: t["sizes"][0].update(nproc=0), "tests[0].sizes[0].nproc: expected an integer >= 1, got 0"),
+    (lambda t: t["sizes"][0].update(gated_rank="rank 1"), "tests[0].sizes[0].gated_rank: expected a rank number"),
+    (lambda t: t["sizes"][0]["ranks"].update({"x": 1.0}), "tests[0].sizes[0].ranks: expected rank keys"),
+    (lambda t: t["sizes"][0]["checks"][0].update(kind="vibes"), "tests[0].sizes[0].checks[0].kind: expected one of"),
+    (lambda t: t["sizes"][0]["checks"][0].update(ok="yes"), "tests[0].sizes[0].checks[0].ok: expected true or false"),
+    (lambda t: t["sizes"][0].update(timeline=[[0.0]]), "tests[0].sizes[0].timeline[0]: expected [seconds, {rank: MiB}]"),
+    (lambda t: t.update(baseline_changes=[[2, "a", 1.0]]), "tests[0].baseline_changes[0]: expected [nproc, old MiB"),
+])
+def test_every_bad_field_is_named_with_what_is_accepted(mutate, message):
+    doc = json.loads(json.dumps(report_document([full_record()])))
+    mutate(doc["tests"][0])
+    with pytest.raises(ReportError) as caught:
+        parse_report(doc)
+    assert message in str(caught.value)
+
+
+def test_a_record_sent_by_a_newer_plugin_is_refused_saying_which_schemas_are_read():
+    with pytest.raises(ReportError, match=r"schema: expected 1 or 2 \(a pytest --gpumem-report file\), got 3"):
+        parse_report({"schema": 3, "tests": []})
