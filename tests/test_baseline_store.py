@@ -232,6 +232,9 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                           " expected all of device, gated_mib, method, provenance, rank, ranks"),
     "duplicate-key": (GOOD.replace('"rank": 0,', '"rank": 0, "rank": 1,'), f"{FIELD}['rank']: given more than once"
                       " in one object; expected each key once (was a merge conflict resolved by keeping both sides?)"),
+    "duplicate-top-key": (GOOD.replace('"schema": 1,', '"schema": 1, "schema": 1,'), "['schema']: given more than"
+                          " once in one object; expected each key once (was a merge conflict resolved by keeping both"
+                          " sides?)"),
     "device-mismatch": (_entry_text(lambda e: e.update(device="gpu")),
                         f"{FIELD}.device: got the string 'gpu'; expected 'cpu', as the platform key says"),
     "gated-string": (_gated('"512"'), f"{FIELD}.gated_mib: got the string '512'; {MIB_RULE}"),
