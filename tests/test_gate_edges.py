@@ -17,8 +17,9 @@ import pytest
 
 from pytest_gpumem import cli
 from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.judging.predict import predict
 from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
-from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, against_reference, judge
+from pytest_gpumem.judging.verdict import BaselineRef, FloorResult, SizeResult, against_reference, judge
 from pytest_gpumem.presentation import outputs
 from pytest_gpumem.sampling import Peak
 
@@ -82,7 +83,8 @@ def test_ratio_against_a_zero_reference_gates_on_the_allowance_without_dividing(
     at = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0)])
     above = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0 + JUST)])
     assert at.passed and not above.passed
-    assert "no ratio: the nproc=1 peak is 0 MiB" in str(above.failures[0])
+    assert str(above.failures[0]) == ("rank 0 at nproc=2 (cpu): peak 64.0 MiB > 1.50 x 0.0 MiB (nproc=1) + 64 MiB"
+                                      " = 64.0 MiB (no ratio: the nproc=1 peak is 0 MiB)")
     assert at.ratio(2) is None and "2: 64.0 MiB" in at.summary_line()
 
 
@@ -212,6 +214,51 @@ def test_ratio_is_none_without_both_sizes_or_a_positive_reference():
     assert judge(s, [result(1, None), result(2, 150.0)]).ratio(2) is None
     assert judge(s, [result(1, 100.0), result(2, None)]).ratio(2) is None
     assert judge(s, [result(1, 0.0), result(2, 150.0)]).ratio(2) is None
+
+
+def test_a_gated_rank_with_no_peak_at_all_fails_as_unmeasured():
+    v = judge(spec(nproc=2, rank=1, max_mib=100), [result(2, 50.0)])  # rank 1 reported nothing
+    assert kinds(v) == [("measured", 2, False)]
+    assert str(v.checks[0]) == "rank 1 at nproc=2 (cpu): no peak could be measured (high-water mark)"
+
+
+def test_others_max_is_the_largest_other_measured_rank():
+    three = result(3, 600.0, 650.0, None)
+    assert (three.others_max(0), three.others_max(1), three.others_max(2), three.others_max("all")) == (
+        650.0, 600.0, 650.0, 650.0)
+    assert result(1, 500.0).others_max(0) is None and result(2, 500.0, None).others_max(0) is None
+
+
+def test_the_rendering_of_floors_resident_memory_nodes_and_predicted_sizes():
+    """Information lines: the floor split (CUDA context and communicator only where they exist), the
+    resident high-water mark (cpu only), the node of each rank, and every predicted size."""
+    hwm = "high-water mark"
+    launched = [
+        SizeResult(1, "cpu", {0: Peak(500.0, hwm)}, floor=FloorResult("torch", {0: 300.0})),
+        SizeResult(2, "gpu", {0: Peak(600.0, "per-pid sampled"), 1: Peak(650.0, "per-pid sampled"),
+                              2: Peak(None, "not available")},
+                   floor=FloorResult("torch", {0: 310.0, 1: 315.0, 2: 320.0}), rss_peaks={0: 900.0},
+                   nodes={0: "node-a", 1: "node-b"}),
+        SizeResult(3, "cpu", {0: Peak(700.0, hwm), 1: Peak(710.0, hwm)}, rss_peaks={1: 720.04, 0: 730.0}),
+    ]
+    fitted = [(1, 500.0), (3, 700.0)]
+    predicted = [SizeResult(n, "cpu", {}, prediction=predict(fitted, n)) for n in (8, 16)]
+    v = judge(spec(nproc=[1, 2, 3, 8, 16]), launched + predicted)
+    assert v.passed and v.render().splitlines() == [
+        "  rank 0 peak, nproc 1: 500.0 MiB | 2: 600.0 MiB (1.20x) | 3: 700.0 MiB (1.40x)"
+        " | 8: 1200.0 MiB (2.40x) predicted | 16: 2000.0 MiB (4.00x) predicted",
+        "  nproc=1 cpu MiB per rank {0: 500.0} [high-water mark]",
+        "    floor + job's own MiB per rank {0: 300.0 + 200.0} (floor: an empty job, torch start-up)",
+        "  nproc=2 gpu MiB per rank {0: 600.0 on node-a, 1: 650.0 on node-b, 2: n/a} [not available, per-pid sampled]",
+        "    floor + job's own MiB per rank {0: 310.0 + 290.0, 1: 315.0 + 335.0}"
+        " (floor: an empty job, CUDA context + torch start-up + communicator)",
+        "  nproc=3 cpu MiB per rank {0: 700.0, 1: 710.0} [high-water mark]",
+        "    resident high-water mark (VmHWM, not gated: follows the page cache) {0: 730.0, 1: 720.0}",
+        "  nproc=8 cpu MiB rank 0 1200.0, predicted by a + b*N from nproc 1,3; LOO error n/a: two sizes"
+        " (not launched)",
+        "  nproc=16 cpu MiB rank 0 2000.0, predicted by a + b*N from nproc 1,3; LOO error n/a: two sizes"
+        " (not launched)",
+    ]
 
 
 def test_the_whole_rendering_of_a_failing_verdict():
