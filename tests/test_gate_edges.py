@@ -331,3 +331,21 @@ def test_tolerance_refused_naming_what_is_accepted(value, message):
     assert str(info.value).startswith(message)
     with pytest.raises(SpecError, match="^--tolerance="):
         parse_tolerance(value, "--tolerance")
+
+
+# -- which rank is gated: an int, never parsed back from its label -------------------------------
+
+
+def test_the_gated_rank_is_the_configured_one_or_the_largest_measured():
+    three = SizeResult(3, "cpu", {0: Peak(10.0, "m"), 1: Peak(30.0, "m"), 2: Peak(None, "not available")})
+    assert three.gated_rank(0) == 0 and three.gated_rank(2) == 2  # configured: whether or not it was measured
+    assert three.gated_rank("all") == 1 and three.gated("all") == ("rank 1 (largest)", 30.0)
+    assert three.gated(2) == ("rank 2", None)
+    tie = SizeResult(2, "cpu", {0: Peak(30.0, "m"), 1: Peak(30.0, "m")})
+    assert tie.gated_rank("all") == 1  # a tie goes to the higher rank, in the label and the int alike
+    assert tie.gated("all")[0] == "rank 1 (largest)"
+    assert SizeResult(2, "cpu", {0: Peak(None, "x")}).gated_rank("all") is None
+    fitted = predict([(1, 100.0), (2, 110.0)], 8)
+    predicted = SizeResult(8, "cpu", {}, prediction=fitted)
+    assert predicted.gated_rank("all") is None and predicted.gated_rank(3) == 3
+    assert predicted.gated("all") == (fitted.rank_label, fitted.mib)

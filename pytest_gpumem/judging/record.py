@@ -110,7 +110,7 @@ class SizeRecord:
     @property
     def basis(self) -> str:
         """``predicted by a + b*N from nproc 1,2,4; ...`` for a predicted size, else empty."""
-        return str((self.prediction or {}).get("basis", "predicted")) if self.prediction is not None else ""
+        return "" if self.prediction is None else str(self.prediction.get("basis", "predicted"))
 
     def limits(self) -> list[CheckRecord]:
         """The checks that carry a limit in MiB (what a plot draws as lines)."""

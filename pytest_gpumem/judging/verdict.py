@@ -69,13 +69,10 @@ class SizeResult:
         """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
         if self.prediction is not None:
             return self.prediction.rank_label, self.prediction.mib
+        top = self.gated_rank(rank)
+        peak = self.peaks.get(top) if top is not None else None
         if rank == "all":
-            known = [(p.mib, r) for r, p in self.peaks.items() if p.mib is not None]
-            if not known:
-                return "all ranks", None
-            mib, top = max(known)
-            return f"rank {top} (largest)", mib
-        peak = self.peaks.get(int(rank))
+            return ("all ranks", None) if peak is None else (f"rank {top} (largest)", peak.mib)
         return f"rank {rank}", None if peak is None else peak.mib
 
     def others_max(self, rank: int | str) -> float | None:
