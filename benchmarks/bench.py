@@ -629,12 +629,12 @@ def fidelity(args, folder: Path, say) -> tuple[list[str], dict]:
     base_o = [own[(0, float(ms))] for ms in durations]
     bp, br, bo = statistics.median(base_p), statistics.median(base_r), statistics.median(base_o)
     spread_p = max(base_p) - min(base_p)
-    lines = [f"host peak fidelity, nproc=1 plain-Python job (bytearray, every page written), "
-             f"expected = the same job with 0 MiB + size:",
+    lines = ["host peak fidelity, nproc=1 plain-Python job (bytearray, every page written), "
+             "expected = the same job with 0 MiB + size:",
              f"  0 MiB job: plugin {bp:.1f} MiB (spread {spread_p:.1f} MiB over {len(base_p)} durations); "
              f"the same body as a plain script: its own VmHWM {bo:.1f} MiB, wait4 ru_maxrss {br:.1f} MiB",
-             f"  (ru_maxrss, what `/usr/bin/time -v` reports, starts at the parent's peak across exec: "
-             f"this bench's own RSS here, so it errs by the difference on every row)",
+             "  (ru_maxrss, what `/usr/bin/time -v` reports, starts at the parent's peak across exec: "
+             "this bench's own RSS here, so it errs by the difference on every row)",
              f"  {'MiB':>5} {'held':>6} {'plugin peak':>11} {'expected':>8} {'error':>7}  {'50 ms RSS polling saw':>21}"
              f"  {'script VmHWM err':>16} {'ru_maxrss err':>13}  method"]
     worst = raw_worst = 0.0

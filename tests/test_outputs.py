@@ -8,12 +8,12 @@ and the same examples' report of schema 1 (before the typed record), which ``gpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-import dataclasses
 from typing import Any
 
 import pytest

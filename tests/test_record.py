@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.judging.record import (SCHEMA, BaselineChange, CheckRecord, FloorRecord, Limits, RankPeak,
-                                          ReportError, SizeRecord, TestRecord, load_report, parse_report,
-                                          report_document)
+from pytest_gpumem.judging.record import (
+    SCHEMA,
+    BaselineChange,
+    CheckRecord,
+    FloorRecord,
+    Limits,
+    RankPeak,
+    ReportError,
+    SizeRecord,
+    TestRecord,
+    load_report,
+    parse_report,
+    report_document,
+)
 from pytest_gpumem.presentation import outputs
 
 DATA = Path(__file__).parent / "data"
