@@ -181,7 +181,8 @@ def faults(folder: Path, out: Path) -> list[str]:
     log = (out / "oom.log").read_text()
     for rec in report["tests"]:
         lines.append(f"  {rec['test']}: {rec['status']}")
-    lines.append("  message: " + next((l.strip() for l in log.splitlines() if "OutOfMemoryError" in l), "(none)"))
+    message = next((line.strip() for line in log.splitlines() if "OutOfMemoryError" in line), "(none)")
+    lines.append("  message: " + message)
     leftover = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                               capture_output=True, text=True).stdout.split()
     lines.append(f"  compute processes left on the GPUs afterwards: {len(leftover)}")

@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# Run as a script: the checkout's package is imported, so its path goes first (hence E402 below).
 sys.path.insert(0, str(ROOT))
 
 from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
-from pytest_gpumem.judging import predict
+from pytest_gpumem.judging import predict  # noqa: E402
 from pytest_gpumem.judging.verdict import SizeResult, judge  # noqa: E402
 from pytest_gpumem.launching.runner import Runner  # noqa: E402
 
