@@ -54,9 +54,10 @@ test: venvs lint
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
 	$(MAKE) test-floor
 
-# ruff (with the rule that only plugin.py imports pytest) and mypy, configured in pyproject.toml.
+# ruff (with the rule that only plugin.py imports pytest) over every Python file of the repository
+# (tools/ holds shell scripts only), and mypy on the package, configured in pyproject.toml.
 lint: $(TO)/.ready
-	$(TO)/bin/python -m ruff check pytest_gpumem
+	$(TO)/bin/python -m ruff check pytest_gpumem tests benchmarks examples conftest.py
 	$(TO)/bin/python -m mypy
 
 test-floor: $(FLOOR)/.ready

@@ -66,7 +66,8 @@ TRACE_HEAD = ('import os as _os\n_trace = _os.environ.get("BENCH_TRACE")\n'
               'if _trace:\n    import benchtrace\n    benchtrace.mark("body_start")\n')
 TRACE_TAIL = 'if _trace:\n    benchtrace.mark("body_end")\n'
 
-GATE = '''"""A minimal spawn with the plugin's OneFlow rendezvous gate (pytest_gpumem.oneflow.rendezvous), nothing else."""
+GATE = '''"""A minimal spawn with the plugin's OneFlow rendezvous gate \
+(pytest_gpumem.oneflow.rendezvous), nothing else."""
 import runpy, sys
 from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
 
@@ -445,7 +446,8 @@ def launch_lines(configs: list[Config], sizes: list[int]) -> list[str]:
             lines.append(
                 f"  {cfg.name:<31} {n:>2} {cfg.runs_at(n):>4} {sum(t > STALL_S for t in cfg.launch_times(n)):>6} "
                 f"{len(cfg.failures.get(n, [])):>4} {fmt_s(med(cfg.launch_times(n))):>8} {fmt_s(launch):>8} "
-                f"{fmt_s(cfg.steady(n, 'item')) if plugin else '':>5} {fmt_s(cfg.steady(n, 'wall')) if plugin else '':>7} "
+                f"{fmt_s(cfg.steady(n, 'item')) if plugin else '':>5} "
+                f"{fmt_s(cfg.steady(n, 'wall')) if plugin else '':>7} "
                 f"{fmt_ratio(launch, s) if cfg is not spawn else '':>6} "
                 f"{fmt_ratio(cfg.steady(n, 'wall'), s) if plugin else '':>9} "
                 f"{fmt_ratio(launch, raw.steady(n)) if cfg not in (spawn, raw) else '':>13}")
@@ -629,12 +631,12 @@ def fidelity(args, folder: Path, say) -> tuple[list[str], dict]:
     base_o = [own[(0, float(ms))] for ms in durations]
     bp, br, bo = statistics.median(base_p), statistics.median(base_r), statistics.median(base_o)
     spread_p = max(base_p) - min(base_p)
-    lines = [f"host peak fidelity, nproc=1 plain-Python job (bytearray, every page written), "
-             f"expected = the same job with 0 MiB + size:",
+    lines = ["host peak fidelity, nproc=1 plain-Python job (bytearray, every page written), "
+             "expected = the same job with 0 MiB + size:",
              f"  0 MiB job: plugin {bp:.1f} MiB (spread {spread_p:.1f} MiB over {len(base_p)} durations); "
              f"the same body as a plain script: its own VmHWM {bo:.1f} MiB, wait4 ru_maxrss {br:.1f} MiB",
-             f"  (ru_maxrss, what `/usr/bin/time -v` reports, starts at the parent's peak across exec: "
-             f"this bench's own RSS here, so it errs by the difference on every row)",
+             "  (ru_maxrss, what `/usr/bin/time -v` reports, starts at the parent's peak across exec: "
+             "this bench's own RSS here, so it errs by the difference on every row)",
              f"  {'MiB':>5} {'held':>6} {'plugin peak':>11} {'expected':>8} {'error':>7}  {'50 ms RSS polling saw':>21}"
              f"  {'script VmHWM err':>16} {'ru_maxrss err':>13}  method"]
     worst = raw_worst = 0.0
@@ -654,7 +656,8 @@ def fidelity(args, folder: Path, say) -> tuple[list[str], dict]:
             if polled is None or polled < bp + mib - max(1.0, spread_p):
                 polled_missed += 1
             lines.append(f"  {mib:>5} {ms:>4g}ms {rec['peak']:>11.1f} {bp + mib:>8.1f} {err:>+7.1f}  "
-                         f"{'-' if polled is None else f'{polled:.1f}':>21}  {own_err:>+16.1f} {raw_err:>+13.1f}  {rec['method']}")
+                         f"{'-' if polled is None else f'{polled:.1f}':>21}  "
+                         f"{own_err:>+16.1f} {raw_err:>+13.1f}  {rec['method']}")
             raw_worst = max(raw_worst, abs(raw_err))
     tolerance = max(1.0, spread_p)
     lines.append(f"  worst |error| {worst:.1f} MiB (tolerance: the baseline's own spread, at least 1 MiB = "
@@ -807,7 +810,8 @@ def summary(fw_configs: dict[str, list[Config]], sizes: list[int], fid: dict, re
             ratio = p / s if p is not None and s else None
             rows.append((f"{fw} n={n}: plugin (direct) / direct spawn, per launch",
                          "-" if ratio is None else f"{ratio:.2f} ({p:.2f} s / {s:.2f} s {ref}, stall-free)",
-                         f"<= {GOAL_RATIO:.2f}", "-" if ratio is None else ("met" if ratio <= GOAL_RATIO else "NOT met")))
+                         f"<= {GOAL_RATIO:.2f}",
+                         "-" if ratio is None else ("met" if ratio <= GOAL_RATIO else "NOT met")))
         for n in sizes:
             w = plugin.steady(n, "wall")
             s, ref = spawn_reference(configs, n)
@@ -844,14 +848,15 @@ def summary(fw_configs: dict[str, list[Config]], sizes: list[int], fid: dict, re
                      "met" if fid["worst"] <= fid["tolerance"] else "NOT met"))
         rows.append(("host peak: worst |error| of wait4 ru_maxrss (/usr/bin/time)", f"{fid['raw_worst']:.1f} MiB",
                      "info (the raw tool)", "-"))
-        rows.append(("host peak: allocations 50 ms RSS polling under-read (> 1 MiB)", f"{fid['polled_missed']} of {fid['cells']}",
-                     "info (the raw-polling alternative)", "-"))
+        rows.append(("host peak: allocations 50 ms RSS polling under-read (> 1 MiB)",
+                     f"{fid['polled_missed']} of {fid['cells']}", "info (the raw-polling alternative)", "-"))
     if reuse_res:
         ok = (reuse_res["expected_launches"] == reuse_res["actual_launches"]
               and reuse_res["expected_starts"] == reuse_res["actual_starts"])
         rows.append(("reference reuse: launches / rank starts",
                      f"{reuse_res['actual_launches']} / {reuse_res['actual_starts']}",
-                     f"= {reuse_res['expected_launches']} / {reuse_res['expected_starts']}", "met" if ok else "NOT met"))
+                     f"= {reuse_res['expected_launches']} / {reuse_res['expected_starts']}",
+                     "met" if ok else "NOT met"))
     for interval, share in sampler.items():
         rows.append((f"host sampler CPU at {interval * 1000:g} ms, 4 ranks", f"{share:.2f}% of one core", "info", "-"))
     widths = [max(len(r[i]) for r in rows + [("measure", "measured", "goal", "verdict")]) for i in range(4)]
@@ -912,7 +917,8 @@ def main() -> None:
               f"  Python {platform.python_version()} ({sys.executable.replace(str(ROOT) + '/', '')}), "
               f"frameworks: {', '.join(f'{fw} {_version(fw)}' for fw in fws) or 'none'}, "
               f"{os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.2f}",
-              f"  runs per launch configuration: {args.runs} ({args.launcher_runs} through the launchers); command: {' '.join(sys.argv[1:]) or '(defaults)'}"]
+              f"  runs per launch configuration: {args.runs} ({args.launcher_runs} through the launchers); "
+              f"command: {' '.join(sys.argv[1:]) or '(defaults)'}"]
     sections: list[list[str]] = []
     fw_configs: dict[str, list[Config]] = {}
     fid: dict = {}

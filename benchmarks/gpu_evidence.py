@@ -181,7 +181,8 @@ def faults(folder: Path, out: Path) -> list[str]:
     log = (out / "oom.log").read_text()
     for rec in report["tests"]:
         lines.append(f"  {rec['test']}: {rec['status']}")
-    lines.append("  message: " + next((l.strip() for l in log.splitlines() if "OutOfMemoryError" in l), "(none)"))
+    message = next((line.strip() for line in log.splitlines() if "OutOfMemoryError" in line), "(none)")
+    lines.append("  message: " + message)
     leftover = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                               capture_output=True, text=True).stdout.split()
     lines.append(f"  compute processes left on the GPUs afterwards: {len(leftover)}")
@@ -282,7 +283,8 @@ def repeat(folder: Path, out: Path, runs: int = int(os.environ.get("GPUMEM_EVIDE
         gated = [g for g, _ in values]
         floors = [f for _, f in values if f is not None]
         jobs = [g - f for g, f in values if f is not None]
-        lines.append(f"  nproc={n}: gated {min(gated):.0f} .. {max(gated):.0f} MiB (spread {max(gated) - min(gated):.0f})"
+        lines.append(f"  nproc={n}: gated {min(gated):.0f} .. {max(gated):.0f} MiB "
+                     f"(spread {max(gated) - min(gated):.0f})"
                      + (f"; floor {min(floors):.0f} .. {max(floors):.0f}; job's own {min(jobs):.0f} .. {max(jobs):.0f}"
                         f" (spread {max(jobs) - min(jobs):.0f})" if floors else "; floor not measured"))
         lines.append("    runs (gated = floor + job): " + ", ".join(
@@ -329,7 +331,8 @@ def leases(folder: Path, out: Path) -> list[str]:
         concurrent = max(concurrent, len(held))
     (out / "lease.log").write_text((lease_dir / "lease.log").read_text())
     return [f"leases: 8 one-GPU tests under -n 2: {len(events) // 2} leases, GPUs held by two tests at once: "
-            f"{overlaps}, most GPUs busy at once: {concurrent}, passed {sum(r['status'] == 'pass' for r in rep2['tests'])}/8",
+            f"{overlaps}, most GPUs busy at once: {concurrent}, "
+            f"passed {sum(r['status'] == 'pass' for r in rep2['tests'])}/8",
             f"suite throughput: -n 0 {wall0:.1f} s, -n 2 {wall2:.1f} s, speed-up {wall0 / wall2:.2f}x"]
 
 

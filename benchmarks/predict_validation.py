@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# Run as a script: the checkout's package is imported, so its path goes first (hence E402 below).
 sys.path.insert(0, str(ROOT))
 
 from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
-from pytest_gpumem.judging import predict
+from pytest_gpumem.judging import predict  # noqa: E402
 from pytest_gpumem.judging.verdict import SizeResult, judge  # noqa: E402
 from pytest_gpumem.launching.runner import Runner  # noqa: E402
 
@@ -79,8 +80,9 @@ def measure(test_id: str, kwargs: dict[str, Any], sizes: tuple[int, ...], batch:
     runner = Runner(cwd=ROOT, rootdir=ROOT, rank_pytest_args=rank_pytest_args)
     started = time.monotonic()
     test = runner.run(test_id, spec)
-    out: dict[str, Any] = {"launcher": spec.launcher, "limits": {"max_ratio": spec.max_ratio, "allow_mib": spec.allow_mib,
-                                                                 "max_mib": spec.max_mib},
+    out: dict[str, Any] = {"launcher": spec.launcher,
+                           "limits": {"max_ratio": spec.max_ratio, "allow_mib": spec.allow_mib,
+                                      "max_mib": spec.max_mib},
                            "local_batch": batch, "seconds": round(time.monotonic() - started, 1)}
     if test.problems or test.skip_reason:
         out["error"] = (test.skip_reason or "\n".join(test.problems))[-2000:]
@@ -112,7 +114,8 @@ def analyse(entry: dict[str, Any], target: int) -> dict[str, Any]:
                         if c.world_size == target and c.limit_mib is not None]
     out: dict[str, Any] = {"target": target, "measured": measured[target],
                            "limit": min(limits_at_target) if limits_at_target else None,
-                           "verdict_measured": "FAIL" if fails_at_target([result(n) for n in sorted(measured)]) else "pass"}
+                           "verdict_measured": ("FAIL" if fails_at_target([result(n) for n in sorted(measured)])
+                                                else "pass")}
     for label, sizes in (("from_smaller", smaller), ("from_two", smaller[:2])):
         p = predict.predict([(n, measured[n]) for n in sizes], target)
         launched = [result(n) for n in sizes]
@@ -179,7 +182,8 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("")
     lines += ["left out: nproc=1 below the trend of the larger sizes and every model over all sizes missing a",
               "held-out size by more than 5% (OneFlow's multi-process runtime exists only when N > 1):",
-              "the larger sizes alone are fitted (pytest_gpumem.judging.predict.fit). LOO n/a: two sizes, nothing to judge.",
+              "the larger sizes alone are fitted (pytest_gpumem.judging.predict.fit). "
+              "LOO n/a: two sizes, nothing to judge.",
               "", "runs:", *(f"  {n}" for n in notes), "", "environments:"]
     lines += [f"  {k}: {v}" for k, v in sorted(doc.get("environments", {}).items())]
     return "\n".join(lines) + "\n"
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 test_id = f"{path}::{name}"
                 print(f"{test_id}: launching nproc {', '.join(map(str, sizes))} ...", flush=True)
-                entry = measure(test_id, marker_kwargs(path, name), sizes, args.local_batch, args.timeout, args.launcher)
+                entry = measure(test_id, marker_kwargs(path, name), sizes, args.local_batch, args.timeout,
+                                args.launcher)
                 if "error" not in entry:
                     entry["analysis"] = analyse(entry, max(sizes))
                 doc["tests"][test_id] = entry

@@ -7,7 +7,8 @@ Runs a one-test pytest session (``def test_ok(): pass``, in a temporary folder w
 and prints the median wall time, CPU time (user + system, from wait4) and peak resident memory
 of each, the difference against the goal (within 10 ms), and which of the plugin's modules and
 heavy dependencies the unused plugin imported. The goal is judged on both medians: wall time is
-what a user waits, CPU time is what the plugin itself adds on a machine where other jobs run. A third row runs ``--gpumem`` over the same file: no gpumem test, so nothing launches.
+what a user waits, CPU time is what the plugin itself adds on a machine where other jobs run.
+A third row runs ``--gpumem`` over the same file: no gpumem test, so nothing launches.
 
 The interpreter must have pytest-gpumem installed (its ``pytest11`` entry point), as the Makefile's
 venvs do. Bytecode is written for the children (a warm-up run each), as in a normal install:

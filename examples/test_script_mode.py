@@ -12,4 +12,5 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.gpumem(nproc=[1, 2], script="examples/train_net.py", args=["--steps", "3"], max_ratio=1.3)
 def test_train_net_script():
-    """examples/train_net.py (LiBai-style, torch DDP) keeps rank 0's peak flat from 1 to 2 ranks; the body is not run."""
+    """examples/train_net.py (LiBai-style, torch DDP) keeps rank 0's peak flat from 1 to 2 ranks;
+    the body is not run."""

@@ -134,20 +134,37 @@ def test_explain_puts_the_biggest_new_conversion_first_and_folds_tiny_moves():
     assert boxing.explain(summarize(found), found) == []
 
 
-# OneFlow 0.9's print(graph) after the first call (abridged from a 2-rank run of the (b) graph below).
-REPR_0_9 = """\
-(GRAPH:TrainGraph_1:TrainGraph): (
-    (GraphModule:m()): (
-      (OPERATOR: m.mix() -> (out:sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), placement=(oneflow.placement(type="cpu", ranks=[0])))
-      (OPERATOR: m-matmul-0(_TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), _TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))) -> (m-matmul-0/out_0:(sbp=(P), size=(8, 8), dtype=(oneflow.float32))), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
-      (OPERATOR: m-add_n-1([m-matmul-0/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), m.mix/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))]) -> (m-add_n-1/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
-      (OPERATOR: m-matmul-2(_TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), m-add_n-1/out_0:(sbp=(B), size=(8, 8), dtype=(oneflow.float32))) -> (m-matmul-2/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
-    )
-  (OPERATOR: _TrainGraph_1_input.0.0_2() -> (_TrainGraph_1_input.0.0_2/out:sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
-  (OPERATOR: reduce_sum-8(nll-5/out_weight_0:(sbp=(S(0)), size=(8), dtype=(oneflow.float32))) -> (reduce_sum-8/output_tensor_0:(sbp=(P), size=(), dtype=(oneflow.float32))), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
-  (OPERATOR: Sys-Boxing-GroupIdentity-reduce_sum-8_output_tensor_0-36(reduce_sum-8/output_tensor_0:sbp=(B), size=(), dtype=(oneflow.float32)) -> (out:sbp=(B), size=(), dtype=(oneflow.float32)), placement=(oneflow.placement(type="cpu", ranks=[0, 1])))
+# OneFlow 0.9's print(graph) after the first call (abridged from a 2-rank run of the (b) graph below):
+# one string per printed line, a long line's continuations indented further.
+REPR_0_9 = (
+    "(GRAPH:TrainGraph_1:TrainGraph): (\n"
+    "    (GraphModule:m()): (\n"
+    "      (OPERATOR: m.mix() -> (out:sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0])))\n"
+    "      (OPERATOR: m-matmul-0(_TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), "
+        "_TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))) "
+        "-> (m-matmul-0/out_0:(sbp=(P), size=(8, 8), dtype=(oneflow.float32))), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    "      (OPERATOR: m-add_n-1([m-matmul-0/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), "
+        "m.mix/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))]) "
+        "-> (m-add_n-1/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    "      (OPERATOR: m-matmul-2(_TrainGraph_1_input.0.0_2/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), "
+        "m-add_n-1/out_0:(sbp=(B), size=(8, 8), dtype=(oneflow.float32))) "
+        "-> (m-matmul-2/out_0:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    "    )\n"
+    "  (OPERATOR: _TrainGraph_1_input.0.0_2() "
+        "-> (_TrainGraph_1_input.0.0_2/out:sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32)), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    "  (OPERATOR: reduce_sum-8(nll-5/out_weight_0:(sbp=(S(0)), size=(8), dtype=(oneflow.float32))) "
+        "-> (reduce_sum-8/output_tensor_0:(sbp=(P), size=(), dtype=(oneflow.float32))), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    "  (OPERATOR: Sys-Boxing-GroupIdentity-reduce_sum-8_output_tensor_0-36(reduce_sum-8/output_tensor_0:sbp=(B), "
+        "size=(), dtype=(oneflow.float32)) -> (out:sbp=(B), size=(), dtype=(oneflow.float32)), "
+        "placement=(oneflow.placement(type=\"cpu\", ranks=[0, 1])))\n"
+    ")\n"
 )
-"""
 
 
 def test_audit_repr_reads_the_printed_graph():
@@ -159,10 +176,12 @@ def test_audit_repr_reads_the_printed_graph():
     ]
     # OneFlow 0.8 wrote ":placement=" and "..." for ops it could not print.
     v08 = ("(OPERATOR: mm(x/out:(sbp=(S(0)), size=(8, 8), dtype=(oneflow.float32))) -> "
-           "(mm/out_0:(sbp=(P), size=(8, 8), dtype=(oneflow.float32))):placement=(oneflow.placement(type=\"cuda\", ranks=[0, 1])))\n"
+           "(mm/out_0:(sbp=(P), size=(8, 8), dtype=(oneflow.float32)))"
+           ":placement=(oneflow.placement(type=\"cuda\", ranks=[0, 1])))\n"
            "(OPERATOR: out(...) -> (...):placement=(oneflow.placement(type=\"cuda\", ranks=[0, 1])))\n"
            "(OPERATOR: add(mm/out_0:(sbp=(S(1)), size=(8, 8), dtype=(oneflow.float16))) -> "
-           "(add/out_0:(sbp=(S(1)), size=(8, 8), dtype=(oneflow.float16))):placement=(oneflow.placement(type=\"cuda\", ranks=[0, 1])))")
+           "(add/out_0:(sbp=(S(1)), size=(8, 8), dtype=(oneflow.float16)))"
+           ":placement=(oneflow.placement(type=\"cuda\", ranks=[0, 1])))")
     assert [b.kind for b in boxing.audit_repr(v08)] == ["P->S(1)"]
     with pytest.raises(ValueError, match="no operator lines"):
         boxing.audit_repr("(GRAPH:G_0:G): ()")
@@ -204,7 +223,8 @@ class Graph:
     def __repr__(self):
         if self.broken:
             raise RuntimeError("no repr")
-        return ("(OPERATOR: g(w/out:(sbp=(B), size=(2), dtype=(oneflow.float32))) -> (g/out_0:(sbp=(P), size=(2), dtype=(oneflow.float32))), placement=(x))\\n"
+        return ("(OPERATOR: g(w/out:(sbp=(B), size=(2), dtype=(oneflow.float32))) "
+                "-> (g/out_0:(sbp=(P), size=(2), dtype=(oneflow.float32))), placement=(x))\\n"
                 "(OPERATOR: opt(g/out_0:(sbp=(B), size=(2), dtype=(oneflow.float32))) -> (), placement=(x))")
 
 class nn:

@@ -108,7 +108,8 @@ def seed_baseline(pytester: pytest.Pytester, test: str, mib: float = 1234.5) -> 
     """A stored baseline for ``test`` at nproc=2: a failed launch must leave it as it is."""
     store = BaselineStore(pytester.path / "baselines")
     ranks = {0: mib, 1: mib}
-    store.update(test, platform_key("cpu"), {2: Entry(mib, ranks, 0, "cpu", "live allocations (memray)", {"date": "2026-01-01"})})
+    store.update(test, platform_key("cpu"),
+                 {2: Entry(mib, ranks, 0, "cpu", "live allocations (memray)", {"date": "2026-01-01"})})
     file = store.file_for(test)
     return file, file.read_bytes()
 
@@ -124,9 +125,10 @@ DIRECT_FAULTS = {
         os._exit(3)''', ["*rank 1 of 2 ended without a result (exit code 3)*"]),
     "sigsegv": ('''
     if os.environ["RANK"] == "1":
-        os.kill(os.getpid(), signal.SIGSEGV)''', ["*rank 1 of 2 ended without a result (killed by SIGSEGV); last lines of its output:*",
-                                                 "*Fatal Python error: Segmentation fault*",
-                                                 "*test_fault.py\", line * in test_fault*"]),
+        os.kill(os.getpid(), signal.SIGSEGV)''',
+                ["*rank 1 of 2 ended without a result (killed by SIGSEGV); last lines of its output:*",
+                 "*Fatal Python error: Segmentation fault*",
+                 "*test_fault.py\", line * in test_fault*"]),
     "sigkill": ('''
     if os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGKILL)''',
@@ -515,7 +517,8 @@ def test_needs_a_gpu():
 @pytest.mark.parametrize("new_session", [True, False], ids=["own-session", "rank-group"])
 def test_child_that_ignores_sigterm_is_killed(pytester, launch_tag, new_session):
     pytester.makepyfile(test_child=HELPERS + f'''
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "time.sleep(600)")
 
 
 @pytest.mark.gpumem(nproc=2, timeout=60)

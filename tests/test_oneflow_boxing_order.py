@@ -26,4 +26,5 @@ def test_the_graph_example_lists_its_largest_new_conversion_first(pytester, laun
     assert audit[0] == "new: S(0)->B x2 (was 0); 128.0 MiB moved", audit
     assert audit[1].startswith("128.0 MiB  ") and audit[1].split(" into ")[0].endswith("(2048, 16384) float32"), audit
     assert audit[2].startswith("16.0 KiB  ") and audit[2].split(" into ")[0].endswith("(2048,) int64"), audit
-    assert audit[3].startswith("also ") and "placement-only move" in audit[3] and "B->B [cpu:0 -> cpu:0-1]" in audit[3], audit
+    assert (audit[3].startswith("also ") and "placement-only move" in audit[3]
+            and "B->B [cpu:0 -> cpu:0-1]" in audit[3]), audit

@@ -8,12 +8,12 @@ and the same examples' report of schema 1 (before the typed record), which ``gpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-import dataclasses
 from typing import Any
 
 import pytest
@@ -265,7 +265,8 @@ def test_compare_classifies_every_size():
 
 
 def test_compare_tolerance_is_the_tests_own_unless_overridden():
-    old, new = [rec("t::a", "pass", size(1, 100.0), tolerance="1%")], [rec("t::a", "pass", size(1, 110.0), tolerance="1%")]
+    old, new = ([rec("t::a", "pass", size(1, 100.0), tolerance="1%")],
+                [rec("t::a", "pass", size(1, 110.0), tolerance="1%")])
     assert outputs.compare(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
     assert outputs.compare(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
     assert outputs.compare(old, new, "5%").rows[0].kind == "regression"

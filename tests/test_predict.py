@@ -236,7 +236,8 @@ def test_every_output_labels_the_predicted_size():
     assert sizes[4].prediction is None and sizes[8].failed and not sizes[4].failed
     lines = table([rec])
     assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("FAIL")
-    assert lines[-1] == "nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; LOO error 0.0%, not launched"
+    assert lines[-1] == ("nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; "
+                         "LOO error 0.0%, not launched")
     md = outputs.markdown([rec])
     assert "740.0 (rank 0, cpu, **predicted**)" in md
     assert "predicted (not launched): nproc=8 of `t/p.py::test_grows`, predicted by a + b*N" in md
@@ -244,7 +245,8 @@ def test_every_output_labels_the_predicted_size():
     assert [e["name"] for e in outputs.benchmark_json([rec])] == [
         f"t/p.py::test_grows nproc={n} rank 0" for n in (1, 2, 4)]  # measurements only
     props = dict(outputs.junit_properties(rec))
-    assert props["gpumem_nproc8_predicted"].startswith("predicted by a + b*N") and "gpumem_nproc4_predicted" not in props
+    assert (props["gpumem_nproc8_predicted"].startswith("predicted by a + b*N")
+            and "gpumem_nproc4_predicted" not in props)
 
 
 def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
@@ -268,7 +270,8 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
     launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]
     gather = {"src": "S(0)", "dst": "B", "op": "cast-0 (cast)", "tensor": "x/out (4096, 1024) float32", "placement": ""}
     grad = {"src": "P", "dst": "B", "op": "w_opt (sgd_update)", "tensor": "g/out (64,) float32", "placement": ""}
-    runs = [SizeRun(r, LaunchResult(r.world_size, "direct", []), {}, boxings=[] if r.world_size == 1 else [grad, gather])
+    runs = [SizeRun(r, LaunchResult(r.world_size, "direct", []), {},
+                    boxings=[] if r.world_size == 1 else [grad, gather])
             for r in launched]
     p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
     test = TestRun("t/g.py::test_graph", s, runs=runs, predicted=[SizeResult(8, "cpu", {}, prediction=p)])

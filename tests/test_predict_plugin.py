@@ -63,7 +63,8 @@ def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_t
     assert "(rank 0, predicted)" in rows["test_inflating", "8"] and rows["test_inflating", "8"].endswith("FAIL")
     assert "(rank 0, predicted)" in rows["test_healthy", "8"] and rows["test_healthy", "8"].endswith("pass")
     assert "predicted" not in rows["test_inflating", "4"] and rows["test_inflating", "4"].endswith("ok")
-    result.stdout.fnmatch_lines(["nproc=8 of *::test_inflating: predicted by a + b*N from nproc 1,2,4; *, not launched"])
+    result.stdout.fnmatch_lines(
+        ["nproc=8 of *::test_inflating: predicted by a + b*N from nproc 1,2,4; *, not launched"])
 
     records = {r["test"].rsplit("::", 1)[1]: r for r in json.loads(report.read_text())["tests"]}
     for name in ("test_healthy", "test_inflating"):

@@ -8,8 +8,9 @@ from pytest_gpumem.rankside import protocol
 
 
 def test_exit_report_round_trip_and_unknown_keys(tmp_path):
-    report = protocol.ExitReport(pid=42, maxrss_kib=2048.0, alloc_peak_mib=150.2, alloc_method="live allocations (memray)",
-                                 gpu_peak_mib=2914.0, gpu_method="per-pid sampled, in the rank", gpu_name="NVIDIA H200",
+    report = protocol.ExitReport(pid=42, maxrss_kib=2048.0, alloc_peak_mib=150.2,
+                                 alloc_method="live allocations (memray)", gpu_peak_mib=2914.0,
+                                 gpu_method="per-pid sampled, in the rank", gpu_name="NVIDIA H200",
                                  provenance={"torch": "2.13.0"})
     protocol.write_exit(tmp_path, 3, report)
     assert protocol.read_exit(tmp_path, 3) == report

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.judging.record import (SCHEMA, BaselineChange, CheckRecord, FloorRecord, Limits, RankPeak,
-                                          ReportError, SizeRecord, TestRecord, load_report, parse_report,
-                                          report_document)
+from pytest_gpumem.judging.record import (
+    SCHEMA,
+    BaselineChange,
+    CheckRecord,
+    FloorRecord,
+    Limits,
+    RankPeak,
+    ReportError,
+    SizeRecord,
+    TestRecord,
+    load_report,
+    parse_report,
+    report_document,
+)
 from pytest_gpumem.presentation import outputs
 
 DATA = Path(__file__).parent / "data"
@@ -80,7 +91,8 @@ def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
     (lambda t: t["sizes"][0]["ranks"].update({"x": 1.0}), "tests[0].sizes[0].ranks: expected rank keys"),
     (lambda t: t["sizes"][0]["checks"][0].update(kind="vibes"), "tests[0].sizes[0].checks[0].kind: expected one of"),
     (lambda t: t["sizes"][0]["checks"][0].update(ok="yes"), "tests[0].sizes[0].checks[0].ok: expected true or false"),
-    (lambda t: t["sizes"][0].update(timeline=[[0.0]]), "tests[0].sizes[0].timeline[0]: expected [seconds, {rank: MiB}]"),
+    (lambda t: t["sizes"][0].update(timeline=[[0.0]]),
+     "tests[0].sizes[0].timeline[0]: expected [seconds, {rank: MiB}]"),
     (lambda t: t.update(baseline_changes=[[2, "a", 1.0]]), "tests[0].baseline_changes[0]: expected [nproc, old MiB"),
 ])
 def test_every_bad_field_is_named_with_what_is_accepted(mutate, message):

@@ -29,9 +29,13 @@ def test_precedence_cli_over_env_over_ini():
 @pytest.mark.parametrize(
     "source, expected",
     [
-        ({"ini": {"timeout": "soon"}}, "Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0"),
-        ({"env": {"GPUMEM_MAX_RATIO": "-2"}}, "Invalid gpumem_max_ratio '-2' from the GPUMEM_MAX_RATIO environment variable"),
-        ({"cli": {"launcher": "mpirun"}}, "Invalid gpumem_launcher 'mpirun' from the command line (--gpumem-launcher): expected one of direct, oneflow, torchrun"),
+        ({"ini": {"timeout": "soon"}},
+         "Invalid gpumem_timeout 'soon' from the ini file: expected a number of seconds > 0"),
+        ({"env": {"GPUMEM_MAX_RATIO": "-2"}},
+         "Invalid gpumem_max_ratio '-2' from the GPUMEM_MAX_RATIO environment variable"),
+        ({"cli": {"launcher": "mpirun"}},
+         "Invalid gpumem_launcher 'mpirun' from the command line (--gpumem-launcher): "
+         "expected one of direct, oneflow, torchrun"),
         ({"ini": {"tolerance": "12 parsecs"}}, "Invalid gpumem_tolerance '12 parsecs' from the ini file"),
         ({"ini": {"missing_baseline": "maybe"}}, "expected one of auto, warn, fail, ignore"),
         ({"ini": {"allow_mib": "nan"}}, "Invalid gpumem_allow_mib 'nan'"),

@@ -66,7 +66,8 @@ def test_torch_across_two_nodes_healthy_passes_inflating_fails(pytester, nothing
     pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.gpumem(nproc=[1, 2, 4], max_ratio=1.2, launcher="srun", nnodes=2)
 def test_healthy():
-    assert os.environ["SLURMD_NODENAME"] == ("n1" if int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"]) / 2 or os.environ["WORLD_SIZE"] == "1" else "n2")
+    assert os.environ["SLURMD_NODENAME"] == ("n1" if int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"]) / 2
+                                             or os.environ["WORLD_SIZE"] == "1" else "n2")
     step(False)
 
 @pytest.mark.gpumem(nproc=[1, 2, 4], max_ratio=1.2, launcher="srun", nnodes=2)
@@ -224,7 +225,8 @@ def test_baselines_and_reports_are_those_of_a_local_launch(pytester, nothing_lef
     spread.stdout.fnmatch_lines(["*test_job.py::test_job*4*1.*x*cpu*pass*"])
     assert json.dumps(json.loads((pytester.path / "baselines" / "test_job.py.json").read_text()),
                       sort_keys=True) == before, "a run without --gpumem-refresh never writes"
-    a, b = sizes(tmp_path / "local.json")["test_job.py::test_job"], sizes(tmp_path / "srun.json")["test_job.py::test_job"]
+    a, b = (sizes(tmp_path / "local.json")["test_job.py::test_job"],
+            sizes(tmp_path / "srun.json")["test_job.py::test_job"])
     assert set(a[4]) == set(b[4]), "the same fields"
     assert a[4]["nodes"] == {} and b[4]["nodes"] == {"0": "n1", "1": "n1", "2": "n2", "3": "n2"}
     for n in (1, 2, 4):
@@ -295,7 +297,8 @@ def test_script_mode_runs_the_program_on_both_nodes(pytester, nothing_left, tmp_
     pytester.makepyfile(train_net=f'''
 import os, sys
 with open({str(out)!r}, "a") as f:
-    f.write(f"{{os.environ['RANK']}}/{{os.environ['WORLD_SIZE']}} {{os.environ['SLURMD_NODENAME']}} {{' '.join(sys.argv[1:])}}\\n")
+    f.write(f"{{os.environ['RANK']}}/{{os.environ['WORLD_SIZE']}} {{os.environ['SLURMD_NODENAME']}} "
+            f"{{' '.join(sys.argv[1:])}}\\n")
 ''')
     pytester.makepyfile(test_script='''
 import pytest

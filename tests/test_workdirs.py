@@ -13,7 +13,8 @@ def test_folder_of_a_dead_owner_is_swept_and_a_live_one_kept(tmp_path):
     mine = make_workdir(tmp_path)
     assert oct(mine.stat().st_mode & 0o777) == "0o700"
     child = subprocess.run([sys.executable, "-c",
-                            "import sys; from pathlib import Path; from pytest_gpumem.launching.workdirs import make_workdir;"
+                            "import sys; from pathlib import Path; "
+                            "from pytest_gpumem.launching.workdirs import make_workdir;"
                             "d = make_workdir(Path(sys.argv[1])); (d / 'rank-0.log').write_text('x'); print(d)",
                             str(tmp_path)], capture_output=True, text=True, check=True)
     orphan = tmp_path / os.path.basename(child.stdout.strip())
