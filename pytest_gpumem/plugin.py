@@ -18,7 +18,6 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.spec import Spec, SpecError, parse_marker
-from .rankside import protocol
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
 
 if TYPE_CHECKING:
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
     from .judging.record import TestRecord
     from .launching.runner import Runner
     from .launching.scaling import Capacity
+    from .rankside import protocol
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
 # and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
@@ -387,6 +387,8 @@ class RankSide:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self._set("skipped", reason)
         elif report.passed and report.when == "call" and self.outcome is None:
+            from .rankside import protocol
+
             self.outcome = protocol.RankResult("passed")
 
     @pytest.hookimpl(wrapper=True)
@@ -397,14 +399,20 @@ class RankSide:
             return (yield)
         finally:
             if recording is not None:
+                from .rankside import protocol
+
                 recording.cuda.memory._dump_snapshot(str(protocol.rank_file(self.workdir, self.rank, "snapshot")))
                 recording.cuda.memory._record_memory_history(enabled=None)
 
     def _set(self, outcome: str, text: str) -> None:
+        from .rankside import protocol
+
         if self.outcome is None or self.outcome.outcome != "failed":
             self.outcome = protocol.RankResult(outcome, text)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        from .rankside import protocol  # the rank's files: loaded inside a rank only
+
         outcome = self.outcome or protocol.RankResult(
             "failed", f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
                       "was the test id collected the same way inside the rank?")

@@ -21,8 +21,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import protocol
-
 if TYPE_CHECKING:
     from pytest_gpumem.sampling.allocations import AllocationTracker
     from pytest_gpumem.sampling.nvml import NvmlSampler
@@ -51,6 +49,8 @@ def declare_config(settings: dict[str, object]) -> None:
     """Inside a rank: record settings that move memory (the ``gpumem_config`` fixture); elsewhere a no-op."""
     workdir = os.environ.get(WORKDIR_ENV)
     if workdir:
+        from . import protocol
+
         protocol.update_config(Path(workdir), int(os.environ.get("RANK", "0")), settings)
 
 
@@ -141,6 +141,8 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     from pytest_gpumem.sampling.allocations import METHOD as ALLOC_METHOD
     from pytest_gpumem.sampling.identity import host_provenance
 
+    from . import protocol
+
     alloc_mib = tracker.stop()
     provenance = {**host_provenance(os.environ), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
@@ -209,6 +211,8 @@ def main(argv: list[str]) -> None:
     from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
     from pytest_gpumem.sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from pytest_gpumem.sampling.allocations import AllocationTracker
+
+    from . import protocol
 
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
