@@ -76,7 +76,7 @@ dist-check: $(TO)/.ready
 	PYTHON=$(TO)/bin/python SMOKE="$(SMOKE)" tools/check-dist $(PYVERS)
 
 # The GPU tier (tests marked gpu: CUDA + NCCL launches, NVML read by the ranks themselves), on a
-# machine with NVIDIA GPUs; no test may skip there. PYTHON: an interpreter with torch built for CUDA
+# machine with NVIDIA GPUs; no test may skip there. GPU_PYTHON: an interpreter with torch built for CUDA
 # and the plugin importable (results: benchmarks/results/test_gpu.txt, with the command used).
 GPU_PYTHON ?= $(TO)/bin/python
 test-gpu:
