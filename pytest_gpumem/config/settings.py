@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pytest_gpumem.rankside.rank import BOXING_ENV, FAST_EXIT_ENV
-
+from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV
 from .spec import DEFAULT_TOLERANCE, DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
 
 

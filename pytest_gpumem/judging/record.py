@@ -17,11 +17,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..config.spec import DEFAULT_TOLERANCE, SpecError, parse_tolerance
 
 if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs neither
-    from pytest_gpumem.config.spec import Spec
-
+    from ..config.spec import Spec
     from .verdict import SizeResult, Verdict
 
 SCHEMA = 2

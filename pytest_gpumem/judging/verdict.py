@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pytest_gpumem.config.spec import Spec, Tolerance
-from pytest_gpumem.sampling import Peak
-
+from ..config.spec import Spec, Tolerance
+from ..sampling import Peak
 from .predict import Prediction
 
 

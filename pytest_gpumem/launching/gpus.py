@@ -6,15 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pytest_gpumem.config.spec import Spec
-from pytest_gpumem.sampling.nvml import (
+from ..config.spec import Spec
+from ..sampling.nvml import (
     DEFAULT_INTERVAL_S,
     NvmlSampler,
     driver_versions,
     foreign_processes,
     visible_gpus,
 )
-
 from .leases import GpuLeases, LeaseError
 
 

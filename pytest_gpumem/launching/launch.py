@@ -26,8 +26,8 @@ from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
-from pytest_gpumem.rankside import protocol
-from pytest_gpumem.rankside.rank import LAUNCH_ID_ENV, WORKDIR_ENV
+from ..rankside import protocol
+from ..rankside.rank import LAUNCH_ID_ENV, WORKDIR_ENV
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from filelock import FileLock, Timeout
 
-from pytest_gpumem.sampling.nvml import GpuDevice
+from ..sampling.nvml import GpuDevice
 
 RETRY_S = 0.1
 

@@ -12,16 +12,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pytest_gpumem.config.spec import Spec
-from pytest_gpumem.judging.explain import config_provenance
-from pytest_gpumem.judging.verdict import FloorResult, SizeResult
-from pytest_gpumem.oneflow.boxing import read_records
-from pytest_gpumem.rankside import protocol
-from pytest_gpumem.rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
-from pytest_gpumem.sampling import Peak, Sampler
-from pytest_gpumem.sampling.host import HostSampler
-from pytest_gpumem.sampling.identity import platform_key
-
+from ..config.spec import Spec
+from ..judging.explain import config_provenance
+from ..judging.verdict import FloorResult, SizeResult
+from ..oneflow.boxing import read_records
+from ..rankside import protocol
+from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
+from ..sampling import Peak, Sampler
+from ..sampling.host import HostSampler
+from ..sampling.identity import platform_key
 from . import slurm
 from .floor import FRAMEWORKS
 from .gpus import GpuPlan, GpuPlanner

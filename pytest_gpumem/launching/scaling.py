@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from pytest_gpumem.config.spec import Spec
-from pytest_gpumem.judging.predict import PredictError, predict
-from pytest_gpumem.judging.verdict import SizeResult
-
+from ..config.spec import Spec
+from ..judging.predict import PredictError, predict
+from ..judging.verdict import SizeResult
 from .runner import Runner, TestRun
 
 

@@ -29,11 +29,10 @@ from typing import Callable, Mapping
 
 import psutil
 
-from pytest_gpumem.config.spec import Spec
-from pytest_gpumem.rankside import protocol
-from pytest_gpumem.rankside.slurm_env import expand_hostlist, format_addresses
-from pytest_gpumem.rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
-
+from ..config.spec import Spec
+from ..rankside import protocol
+from ..rankside.slurm_env import expand_hostlist, format_addresses
+from ..rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 from .gpus import GpuPlan
 from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
 

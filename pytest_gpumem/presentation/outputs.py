@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from pytest_gpumem.config.spec import Tolerance, parse_tolerance
-from pytest_gpumem.judging.record import SizeRecord, TestRecord
-from pytest_gpumem.judging.verdict import against_reference
+from ..config.spec import Tolerance, parse_tolerance
+from ..judging.record import SizeRecord, TestRecord
+from ..judging.verdict import against_reference
 
 COMMENT_LIMIT = 60_000  # a GitHub comment holds 65,536 characters; leave room for a header
 

@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterable
 
-from pytest_gpumem.judging.record import SizeRecord, TestRecord
-from pytest_gpumem.sampling.allocations import is_allocation_method
+from ..judging.record import SizeRecord, TestRecord
+from ..sampling.allocations import is_allocation_method
 
 INSTALL_HINT = "plots need matplotlib: pip install 'pytest-gpumem[plots]'"
 
@@ -105,7 +105,7 @@ def _rank_color(index: int, count: int) -> tuple[float, float, float, float]:
 def _draw_predicted(ax: Any, record: TestRecord, size: SizeRecord) -> None:
     """Not a timeline (nothing ran): the measured peaks per world size, the fitted model through
     them, and the predicted point, against the limits."""
-    from pytest_gpumem.judging.predict import MODELS
+    from ..judging.predict import MODELS
 
     fit = size.prediction or {}
     points = sorted((int(n), float(v)) for n, v in (fit.get("fitted_on") or {}).items())

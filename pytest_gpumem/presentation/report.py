@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pytest_gpumem.judging.record import TestRecord
+from ..judging.record import TestRecord
 
 
 def _mib(value: float | None) -> str:

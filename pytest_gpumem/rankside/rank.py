@@ -22,8 +22,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pytest_gpumem.sampling.allocations import AllocationTracker
-    from pytest_gpumem.sampling.nvml import NvmlSampler
+    from ..sampling.allocations import AllocationTracker
+    from ..sampling.nvml import NvmlSampler
 
 # Light on purpose: plugin.py imports this module in every pytest session (for the names above),
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
@@ -114,7 +114,7 @@ def peak_rss_kib() -> float:
 def _start_gpu_sampler() -> "NvmlSampler | None":
     """This rank's own GPU figure, sampled by a thread in the rank (for launches whose ranks the
     parent cannot see, e.g. on other nodes): NVML's per-process figure for our PID, same methods."""
-    from pytest_gpumem.sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
+    from ..sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus
 
     gpus = visible_gpus()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -137,10 +137,9 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
 
 
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None") -> None:
-    from pytest_gpumem.oneflow.boxing import rank_provenance
-    from pytest_gpumem.sampling.allocations import METHOD as ALLOC_METHOD
-    from pytest_gpumem.sampling.identity import host_provenance
-
+    from ..oneflow.boxing import rank_provenance
+    from ..sampling.allocations import METHOD as ALLOC_METHOD
+    from ..sampling.identity import host_provenance
     from . import protocol
 
     alloc_mib = tracker.stop()
@@ -207,11 +206,10 @@ def main(argv: list[str]) -> None:
     mode, target, args = argv[0], argv[1], argv[2:]
     import runpy
 
-    from pytest_gpumem.oneflow.boxing import install_graph_hook
-    from pytest_gpumem.oneflow.rendezvous import install_oneflow_gate
-    from pytest_gpumem.sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
-    from pytest_gpumem.sampling.allocations import AllocationTracker
-
+    from ..oneflow.boxing import install_graph_hook
+    from ..oneflow.rendezvous import install_oneflow_gate
+    from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
+    from ..sampling.allocations import AllocationTracker
     from . import protocol
 
     _die_with_parent()
