@@ -6,17 +6,19 @@ warnings.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config.settings import Settings
-from .judging.baseline import BaselineError, BaselineStore, Entry
+from .judging import growth as growth_mod
+from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
 from .judging.explain import config_provenance, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, TestRecord, build
-from .judging.verdict import BaselineRef, SizeResult, Verdict, judge
+from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
 from .launching.runner import SizeRun, TestRun
 from .oneflow import boxing
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import host_provenance
+from .sampling.sites import from_dicts
 
 
 @dataclass
@@ -39,44 +41,58 @@ class Gate:
         test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
         problems = list(test.problems)
         notes = [note for run in test.runs for note in run.notes]
+        notes += [note for result in test.results for note in result.sites_notes]
         warnings: list[str] = []
         stored: dict[int, Entry] = {}
+        filed: dict[int, str] = {}  # world size -> the platform key its baseline is filed under
         changes: dict[int, tuple[Entry | None, Entry]] = {}
         verdict: Verdict | None = None
         if test.skip_reason is None and not problems and not self.settings.refresh:
             try:
-                stored = self._baselines(test, notes, problems, warnings)
+                stored, filed = self._baselines(test, notes, problems, warnings)
             except BaselineError as exc:
                 problems.append(f"baseline file unusable (left untouched): {exc}")
         if test.skip_reason is None and not problems:
-            refs = {n: BaselineRef(e.gated_mib, spec.tolerance) for n, e in stored.items()}
+            refs = {n: BaselineRef(e.gated_mib, spec.tolerance, e.allocated_mib, spec.allocated_tolerance)
+                    for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:
                 try:
                     changes = self._refresh(test)
                 except BaselineError as exc:
                     problems.append(f"baseline not refreshed (file left untouched): {exc}")
-        changed = provenance_diff(next(iter(stored.values())).provenance, test.provenance) if stored else []
+        changed: list[str] = []
+        if stored:
+            size, entry = next(iter(stored.items()))
+            changed = hardware_change(entry, filed.get(size, ""), test.provenance) + provenance_diff(
+                _with_legacy_model(entry, filed.get(size, "")), test.provenance)
+            changed = list(dict.fromkeys(changed))
+        grown = site_growth(test, verdict, stored) if verdict is not None and not verdict.passed else None
         rec = build(test, verdict, _status(test, verdict, problems),
                     baselines={n: e.gated_mib for n, e in stored.items()},
+                    allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
                              for n, (old, new) in sorted(changes.items())],
-                    changed=changed, messages=problems or None)
+                    changed=changed, messages=problems or None, growth=grown)
         outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
         if test.skip_reason is not None:
             return outcome
         if problems:
             outcome.failure = "\n".join(problems)
         elif verdict is not None and not verdict.passed:
-            outcome.failure = explain_failure(test, verdict, changed, stored)
+            outcome.failure = explain_failure(test, verdict, changed, stored, grown)
         elif verdict is not None:
             outcome.warnings.extend(verdict.notes)  # improvements, foreign GPU users
+            outcome.warnings.extend(f"predicted, not validated: would exceed: {check}"
+                                    for check in verdict.advisories)
         return outcome
 
     def _baselines(self, test: TestRun, notes: list[str], problems: list[str],
-                   warnings: list[str]) -> dict[int, Entry]:
-        """Stored entries for this platform; missing ones (or ones of another metric) warn, or fail in CI."""
+                   warnings: list[str]) -> tuple[dict[int, Entry], dict[int, str]]:
+        """Stored entries comparable with this run (same GPU model; host: same architecture);
+        missing ones (or ones of another metric) warn, or fail in CI."""
         stored: dict[int, Entry] = {}
+        filed: dict[int, str] = {}
         missing: list[int] = []
         other_metric: list[str] = []
         platform = ""
@@ -84,29 +100,36 @@ class Gate:
             if result.world_size not in test.spec.nproc or result.predicted:
                 continue
             platform = result.platform
-            entry = self.store.lookup(test.test_id, platform, result.world_size)
+            found = self.store.find(test.test_id, platform, result.world_size)
             measured = _gated_method(result, test.spec.rank)
-            if entry is None:
+            if found is None:
                 missing.append(result.world_size)
-            elif metric(entry.method) != metric(measured):  # never compared: the numbers mean different things
+                continue
+            entry, key = found
+            if metric(entry.method) != metric(measured):  # never compared: the numbers mean different things
                 other_metric.append(f"nproc={result.world_size} holds {entry.method!r}, this run measured "
                                     f"{measured!r}")
-            else:
-                stored[result.world_size] = entry
+                continue
+            stored[result.world_size], filed[result.world_size] = entry, key
+        legacy = sorted({key for key in filed.values() if key != platform})
+        if legacy:
+            notes.append(f"compared with the baseline filed under {', '.join(legacy)} (before host baselines were "
+                         f"filed by architecture): host figures compare across CPU models of {platform}; "
+                         "a refresh files it under the new key")
         where = f"{test.test_id} on {platform} in {self.store.file_for(test.test_id)}"
         refresh = f"`gpumem refresh {test.test_id}` and commit the file"
         if other_metric:
             self._unmatched(f"baseline of {where} was measured another way ({'; '.join(other_metric)}): "
                             f"not compared; record it again with {refresh}", problems, warnings, always_say=True)
         if missing:
-            elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
+            elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform and p not in legacy]
             if elsewhere:
                 notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
                              f"not compared on {platform}")
             self._unmatched(f"no baseline stored for {test.test_id} on {platform} at "
                             f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
                             f"record it with {refresh}", problems, warnings)
-        return stored
+        return stored, filed
 
     def _unmatched(self, text: str, problems: list[str], warnings: list[str], always_say: bool = False) -> None:
         """A size with no comparable baseline: a failure in CI (configurable), a warning otherwise."""
@@ -127,6 +150,10 @@ class Gate:
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
             platform = result.platform
+            rank = result.gated_rank(spec.rank)
+            _, allocated, figure = result.read(spec.rank, ALLOCATED)
+            reserved = result.allocated.get(rank) if rank is not None else None
+            sites = growth_mod.stored_sites(result.sites.get(rank, ())) if rank is not None else []
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
@@ -134,20 +161,64 @@ class Gate:
                 device=result.device,
                 method=_gated_method(result, spec.rank),
                 provenance=provenance,
+                allocated_mib=allocated if figure == ALLOCATED else None,
+                reserved_mib=reserved.reserved_mib if reserved is not None else None,
+                sites=tuple(sites),
             )
-        return self.store.update(test.test_id, platform, entries) if entries else {}
+        return self.store.update(test.test_id, platform, entries, merge=_steady_sites) if entries else {}
 
 
-def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry]) -> str:
-    """The verdict, what differs from the baseline's provenance, when each rank peaked, the new
-    nn.Graph boxing, and where the torch snapshots are."""
-    lines = [verdict.render()]
-    driver = _driver_change(stored, test.provenance)
-    if driver:  # first: a new driver moves every GPU figure through the CUDA context
-        lines.insert(0, driver)
+def _steady_sites(old: Entry, new: Entry) -> Entry:
+    """A refresh of an unchanged test rewrites no stored site (sizes within noise keep their value)."""
+    return replace(new, sites=tuple(growth_mod.steady(old.sites, new.sites))) if old.sites else new
+
+
+def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
+    """The gated rank's peak sites that grew at the failing size: against nproc=1 for a scaling
+    failure, against the baseline's sites for a baseline failure (see judging/growth.py)."""
+    by_size = {r.world_size: r for r in test.results if not r.predicted}
+    failing = sorted({c.world_size for c in verdict.failures}, reverse=True)
+    if not by_size or not failing:
+        return None
+    size = next((n for n in failing if n in by_size), max(by_size))  # a predicted failure: the largest launched
+    result = by_size[size]
+    rank = result.gated_rank(test.spec.rank)
+    new = result.sites.get(rank) if rank is not None else None
+    if not new:
+        return None
+    kinds = {c.kind for c in verdict.failures if c.world_size == size}
+    entry = stored.get(size)
+    one = by_size.get(1)
+    if "baseline" in kinds and entry is not None and entry.sites:
+        return growth_mod.compare(from_dicts(entry.sites), new, "the baseline", old_complete=False)
+    if size > 1 and one is not None and one.sites.get(0):
+        return growth_mod.compare(one.sites[0], new, "nproc=1")
+    if entry is not None and entry.sites:
+        return growth_mod.compare(from_dicts(entry.sites), new, "the baseline", old_complete=False)
+    return None
+
+
+def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],
+                    grown: growth_mod.Growth | None = None) -> str:
+    """The failed limits; the peak sites that grew (the line that holds the memory); the verdict;
+    what differs from the baseline's provenance (the machine first); when each rank peaked; the
+    new nn.Graph boxing; where the torch snapshots are."""
+    sites: list[str] = []
+    if grown is not None and (grown.grown or grown.summary()):
+        size = max((c.world_size for c in verdict.failures), default=0)
+        sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):"
+                     if test.spec.rank != "all" else f"  peak sites that grew since {grown.against}:")
+        sites.extend(f"    {line}" for line in grown.lines())
+    lines = [verdict.render(sites)]
+    if not changed:
+        driver = hardware_change(next(iter(stored.values())), "", test.provenance) if stored else []
+        changed = driver
     if changed:
-        lines.append("  changed since the baseline (declared config first):")
+        lines.append("  changed since the baseline (the machine first, then the declared config):")
         lines.extend(f"    {line}" for line in changed)
+        if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed[:3]):
+            lines.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
+                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
     failing = {check.world_size for check in verdict.failures}
@@ -187,18 +258,26 @@ def _boxing_reference(audited: SizeRun, runs: list[SizeRun], entry: Entry | None
     return boxing.summarize(smallest.boxings), f"against nproc={smallest.launch.nproc} (no audited baseline)"
 
 
-def _driver_change(stored: dict[int, Entry], provenance: dict[str, str]) -> str | None:
-    old = next((e.provenance for e in stored.values() if e.device == "gpu"), None)
-    if old is None:
-        return None
-    moved = [f"{key} {old[key]} -> {provenance.get(key, '(unknown)')}"
-             for key in ("nvidia_driver", "cuda_driver", "torch_cuda")
-             if key in old and old[key] != provenance.get(key)]
-    if not moved:
-        return None
-    return (f"gpumem: the GPU software differs from the baseline's ({'; '.join(moved)}): the CUDA context, "
-            "part of every rank's figure, changes size with it. Compare the floor below; if the job's own "
-            "part did not move, refresh the baseline on this driver")
+_MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved
+
+
+def _with_legacy_model(entry: Entry, filed_under: str) -> dict[str, str]:
+    """The entry's provenance; a schema-1 host key (``cpu:AMD EPYC``) also names its CPU model."""
+    provenance = dict(entry.provenance)
+    device, _, name = filed_under.partition(":")
+    if device == "cpu" and name and architecture(filed_under) is None:
+        provenance.setdefault("cpu_model", name)
+    return provenance
+
+
+def hardware_change(entry: Entry, filed_under: str, provenance: dict[str, str]) -> list[str]:
+    """``cpu_model AMD EPYC -> Intel Xeon`` lines for the machine facts that differ from the
+    baseline's: listed first, since a figure compared across machines moves with them."""
+    old = _with_legacy_model(entry, filed_under)
+    return [f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in _MACHINE_KEYS
+            if key in old and old[key] != provenance.get(key)] + [
+        f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in sorted(old)
+        if key.startswith("cpu_") and key not in _MACHINE_KEYS and old[key] != provenance.get(key)]
 
 
 def metric(method: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.spec import Spec, SpecError, parse_marker
-from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, declare_config, start_torch_history
+from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -393,16 +393,19 @@ class RankSide:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        """With --gpumem-torch-snapshot: the CUDA allocator's history of this rank, dumped after the body."""
-        recording = start_torch_history() if os.environ.get(SNAPSHOT_ENV) else None
+        """The body's own GPU allocator figures: peaks reset where it starts, read where it ends
+        (with --gpumem-torch-snapshot, the allocator's history is dumped there too)."""
+        watch = allocator()
+        if watch is not None:
+            watch.body_started()
         try:
             return (yield)
         finally:
-            if recording is not None:
+            if watch is not None:
                 from .rankside import protocol
 
-                recording.cuda.memory._dump_snapshot(str(protocol.rank_file(self.workdir, self.rank, "snapshot")))
-                recording.cuda.memory._record_memory_history(enabled=None)
+                dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
+                watch.body_ended(dump)
 
     def _set(self, outcome: str, text: str) -> None:
         from .rankside import protocol

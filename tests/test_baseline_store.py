@@ -78,7 +78,7 @@ def test_test_ids_that_would_escape_the_directory_are_refused(store: BaselineSto
 def test_file_reads_well_in_a_diff(store: BaselineStore) -> None:
     store.update(TEST, CPU, {10: entry(9.0, world_size=10), 2: entry(1.0)})
     text = store.file_for(TEST).read_text()
-    assert text.endswith("}\n") and text.startswith('{\n  "schema": 1,\n  "tests": {\n')
+    assert text.endswith("}\n") and text.startswith('{\n  "schema": 2,\n  "tests": {\n')
     assert text.index('"2": {') < text.index('"10": {')  # world sizes numerically
     assert text.index('"9": 0.0') > text.index('"2": 7.0')  # ranks numerically, too
     assert '"gated_mib": 9.0,' in text and '"rank": 0,' in text
@@ -203,12 +203,12 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                        "line 1 column 1: Expecting value; expected JSON as pytest-gpumem writes it"),
     "not-utf8": (GOOD.encode().replace(b"high", b"h\xffgh"), "byte 190: not UTF-8; expected a UTF-8 JSON file"),
     "top-level-array": ("[]", "(top level): got an array; expected an object with 'schema' and 'tests'"),
-    "schema-newer": (GOOD.replace('"schema": 1', '"schema": 2'), "schema: got 2, which this pytest-gpumem cannot"
-                     " read; expected 1 (the baseline schema this pytest-gpumem reads)"),
+    "schema-newer": (GOOD.replace('"schema": 1', '"schema": 3'), "schema: got 3, which this pytest-gpumem cannot"
+                     " read; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
     "schema-missing": (GOOD.replace('"schema": 1,', ""),
-                       "schema: missing; expected 1 (the baseline schema this pytest-gpumem reads)"),
+                       "schema: missing; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
     "schema-string": (GOOD.replace('"schema": 1', '"schema": "1"'), "schema: got the string '1', which this"
-                      " pytest-gpumem cannot read; expected 1 (the baseline schema this pytest-gpumem reads)"),
+                      " pytest-gpumem cannot read; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
     "tests-missing": ('{"schema": 1}', "tests: missing; expected all of schema, tests"),
     "unknown-top-key": (GOOD.replace('"schema": 1', '"schema": 1, "notes": "x"'),
                         "(top level): unknown key(s) 'notes'; expected only 'schema', 'tests'"),
@@ -216,16 +216,18 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                          "(top level): unknown key(s) 'a', 'notes'; expected only 'schema', 'tests'"),
     "tests-array": ('{"schema": 1, "tests": []}', "tests: got an array; expected an object of test name -> platforms"),
     "platforms-array": ('{"schema": 1, "tests": {"test_a[2]": []}}', "tests['test_a[2]']: got an array; expected an"
-                        " object of platform ('gpu:<GPU name>' or 'cpu:<CPU model>') -> sizes"),
+                        " object of platform ('gpu:<GPU name>' or 'cpu:<architecture>'"
+                        " (schema 1: 'cpu:<CPU model>')) -> sizes"),
     "platform-key": (GOOD.replace(CPU, "tpu:v4"),
                      "tests['test_a[2]']['tpu:v4']: not a platform key;"
-                     " expected 'gpu:<GPU name>' or 'cpu:<CPU model>'"),
+                     " expected 'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')"),
     "sizes-array": (json.dumps({"schema": 1, "tests": {"test_a[2]": {CPU: []}}}),
                     f"tests['test_a[2]'][{CPU!r}]: got an array; expected an object of world size -> entry"),
     "world-size-zero": (GOOD.replace('"2": {', '"0": {'), f"tests['test_a[2]'][{CPU!r}]['0']: not a world size;"
                         " expected a positive integer key like '2'"),
     "entry-number": (json.dumps({"schema": 1, "tests": {"test_a[2]": {CPU: {"2": 512.3}}}}),
-                     f"{FIELD}: got 512.3; expected an object with device, gated_mib, method, provenance, rank, ranks"),
+                     f"{FIELD}: got 512.3; expected an object with device, gated_mib, method, provenance, rank, ranks"
+                     " (and optionally allocated_mib, reserved_mib, sites)"),
     "unknown-entry-key": (_entry_text(lambda e: e.update(peak=1)), f"{FIELD}: unknown key(s) 'peak'; expected only"
                           " 'device', 'gated_mib', 'method', 'provenance', 'rank', 'ranks'"),
     "missing-entry-key": (_entry_text(lambda e: e.pop("method")), f"{FIELD}.method: missing;"
@@ -325,7 +327,7 @@ def test_update_refuses_entries_it_could_not_read_back(store: BaselineStore, bad
         with pytest.raises(BaselineError) as info:
             store.update(TEST, platform, {2: entry()})
         assert str(info.value) == (f"{file}: tests['test_a[2]'][{platform!r}]: not a platform key;"
-                                   " expected 'gpu:<GPU name>' or 'cpu:<CPU model>'")
+                                   " expected 'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')")
     assert not file.exists()
 
 

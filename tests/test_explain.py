@@ -55,7 +55,7 @@ def test_gpt2(gpumem_config):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "*peak * MiB > baseline * MiB + tolerance *",
-        "*changed since the baseline (declared config first):*",
+        "*changed since the baseline (the machine first, then the declared config):*",
         "*config.activation_checkpoint: True -> False*",
         "*per-rank peaks over the run:*",
         "*nproc=2 (*s): rank 0 * MiB at *s, rank 1 * MiB at *s; imbalance *%*",
@@ -83,11 +83,12 @@ def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
     verdict = judge(test.spec, [result])
     stored = {1: Entry(800.0, {0: 800.0}, 0, "gpu", "per-pid sampled",
                        {"nvidia_driver": "550.54.15", "torch_cuda": "12.8"})}
-    text = explain_failure(test, verdict, [], stored)
-    assert text.splitlines()[0].startswith(
-        "gpumem: the GPU software differs from the baseline's (nvidia_driver 550.54.15 -> 580.159.04)")
+    text = explain_failure(test, verdict, [], stored).splitlines()
+    heading = text.index("  changed since the baseline (the machine first, then the declared config):")
+    assert text[heading + 1] == "    nvidia_driver: 550.54.15 -> 580.159.04"
+    assert text[heading + 2].startswith("    (the CUDA context, part of every rank's device figure, changes size")
     same = {1: Entry(800.0, {0: 800.0}, 0, "gpu", "per-pid sampled", dict(test.provenance))}
-    assert "GPU software differs" not in explain_failure(test, verdict, [], same)
+    assert "changed since the baseline" not in explain_failure(test, verdict, [], same)
 
 
 def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():

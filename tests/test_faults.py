@@ -644,6 +644,7 @@ BAD_VALUES = {
     "max_ratio": "-1",
     "allow_mib": "-5",
     "tolerance": "12 parsecs",
+    "allocated_tolerance": "tight",
     "device": "tpu",
     "floor": "sometimes",
     "gpu_sampler": "both",
@@ -652,6 +653,7 @@ BAD_VALUES = {
     "lease_wait": "0",
     "fast_exit": "sometimes",
     "boxing": "maybe",
+    "sites": "some",
     "nnodes": "two",
     "srun_args": '--gpus-per-task="1',  # an unclosed quote
     "max_nproc": "-2",

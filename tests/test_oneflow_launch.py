@@ -112,7 +112,7 @@ def test_failure_report_explains_with_config_and_boxing(pytester, launch_tag, mo
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "*rank 0 at nproc=2 (cpu): peak * MiB > baseline * MiB + tolerance 5% = * MiB*",
-        "*changed since the baseline (declared config first):*",
+        "*changed since the baseline (the machine first, then the declared config):*",
         "*config.batch_sbp: split -> broadcast*",
         "*per-rank peaks over the run:*",
         "*nn.Graph boxing (SBP conversions) at nproc=2 against the baseline:*",

@@ -10,12 +10,14 @@ import pytest
 
 from pytest_gpumem.judging.record import (
     SCHEMA,
+    AllocatedRecord,
     BaselineChange,
     CheckRecord,
     FloorRecord,
     Limits,
     RankPeak,
     ReportError,
+    SiteChange,
     SizeRecord,
     TestRecord,
     load_report,
@@ -31,26 +33,36 @@ def full_record() -> TestRecord:
     size = SizeRecord(
         nproc=2, device="gpu", gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
         ranks={0: RankPeak(800.0, "per-pid sampled"), 1: RankPeak(812.5, "per-pid sampled"), 2: RankPeak(None, "")},
-        checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib"),
-                CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline")),
+        checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib",
+                            "device"),
+                CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline",
+                            "device"),
+                CheckRecord("baseline", False, 420.0, 400.0, "rank 1 at nproc=2 (gpu, allocated): peak 420.0 MiB > "
+                            "baseline", "allocated")),
         ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, host_ranks={0: 120.5, 1: 121.0}, rss_ranks={0: 300.0},
         floor=FloorRecord("torch", "CUDA context + torch start-up + communicator", {0: 612.0, 1: 612.0}),
         peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015, duration_s=3.5, reused=False, nodes={0: "n1", 1: "n2"},
         timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})),
-        prediction=None)
+        prediction=None, allocated_ranks={0: AllocatedRecord(400.0, 512.0), 1: AllocatedRecord(420.0, None)},
+        allocated_mib=420.0, allocated_baseline_mib=380.0,
+        sites={1: ({"where": "t.py:7", "function": "f", "detail": "all_gather", "mib": 256.0, "count": 2,
+                    "internal": False},)},
+        live_timeline=((0.1, {1: 100.0}), (0.4, {1: 420.0})))
     predicted = SizeRecord(nproc=8, device="gpu", gated_rank=None, gated_label="largest rank", gated_mib=900.0,
                            prediction={"mib": 900.0, "basis": "predicted by a + b*N from nproc 1,2", "model": "linear"})
     return TestRecord(test="t.py::test_x[a|b]", status="FAIL", nproc=(2, 8), launcher="torchrun",
                       limits=Limits(max_mib=900.0, max_ratio=None, allow_mib=0.0, rank="all", tolerance="5%+32MiB"),
                       sizes=(size, predicted), provenance={"torch": "2.13.0"}, messages=("over",), notes=("n",),
                       baseline_changes=(BaselineChange(2, None, 812.5), BaselineChange(8, 800.0, 812.5)),
-                      changed_since_baseline=("torch 2.12 -> 2.13",))
+                      changed_since_baseline=("torch 2.12 -> 2.13",),
+                      grown_sites=(SiteChange("t.py:7 f (all_gather)", 0.0, 256.0),), grown_against="nproc=1",
+                      sites_summary="1 site shrank by 2.0 MiB")
 
 
 def test_a_record_survives_json_unchanged():
     record = full_record()
     doc = json.loads(json.dumps(report_document([record])))
-    assert doc["schema"] == SCHEMA == 2
+    assert doc["schema"] == SCHEMA == 3
     assert parse_report(doc) == [record]
 
 
@@ -59,7 +71,7 @@ def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():
     size = record.sizes[0]
     assert size.failed and not record.sizes[1].failed
     assert size.gated_method == "per-pid sampled"  # of rank 1, the gated one: an int, no label parsed
-    assert [c.limit_mib for c in size.limits()] == [900.0, 700.0]
+    assert [c.limit_mib for c in size.limits()] == [900.0, 700.0, 400.0]
     assert record.size_verdict(size) == "FAIL" and record.size_verdict(record.sizes[1]) == "ok"
     assert record.sizes[1].predicted and record.sizes[1].basis.startswith("predicted by a + b*N")
     assert record.with_status("XFAIL").size_verdict(record.sizes[1]) == "ok"
@@ -104,5 +116,5 @@ def test_every_bad_field_is_named_with_what_is_accepted(mutate, message):
 
 
 def test_a_record_sent_by_a_newer_plugin_is_refused_saying_which_schemas_are_read():
-    with pytest.raises(ReportError, match=r"schema: expected 1 or 2 \(a pytest --gpumem-report file\), got 3"):
-        parse_report({"schema": 3, "tests": []})
+    with pytest.raises(ReportError, match=r"schema: expected 1, 2 or 3 \(a pytest --gpumem-report file\), got 4"):
+        parse_report({"schema": 4, "tests": []})

@@ -15,8 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV
-from .spec import DEFAULT_TOLERANCE, DEVICES, LAUNCHERS, Defaults, SpecError, Tolerance, parse_tolerance
+from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV, SITES_ENV
+from .spec import (
+    DEFAULT_ALLOCATED_TOLERANCE,
+    DEFAULT_TOLERANCE,
+    DEVICES,
+    LAUNCHERS,
+    Defaults,
+    SpecError,
+    Tolerance,
+    parse_tolerance,
+)
 
 
 class SettingsError(ValueError):
@@ -132,7 +141,11 @@ OPTIONS: tuple[Option, ...] = (
            "default MiB allowed on top of the ratio for buffers that exist only when N > 1"),
     Option("tolerance", "--gpumem-tolerance", "GPUMEM_TOLERANCE", "gpumem_tolerance",
            _tolerance, DEFAULT_TOLERANCE, 'a string like "5%", "256MiB" or "5%+256MiB"',
-           "default allowed drift above a stored baseline"),
+           "default allowed drift above a stored baseline (host figures, and the GPU device figure)"),
+    Option("allocated_tolerance", "--gpumem-allocated-tolerance", "GPUMEM_ALLOCATED_TOLERANCE",
+           "gpumem_allocated_tolerance", _tolerance, DEFAULT_ALLOCATED_TOLERANCE,
+           'a string like "0.5%", "16MiB" or "0.5%+16MiB"',
+           "default allowed drift of the GPU allocator figure (torch max_memory_allocated) above its baseline"),
     Option("device", "--gpumem-device", "GPUMEM_DEVICE", "gpumem_device",
            _choice(DEVICES), "auto", "one of " + ", ".join(DEVICES),
            "default memory that is gated: auto (GPU where the ranks use one, host otherwise), gpu, cpu"),
@@ -206,6 +219,11 @@ OPTIONS: tuple[Option, ...] = (
            _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
            rank_env=True),
+    Option("sites", "--gpumem-sites", SITES_ENV, "gpumem_sites",
+           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
+           "record where the memory live at each rank's peak was allocated (memray's capture on the host, "
+           "torch's CUDA allocator history on a GPU) and list the sites that grew when a test fails",
+           rank_env=True),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -223,6 +241,7 @@ class Settings:
     max_ratio: float | None
     allow_mib: float
     tolerance: Tolerance
+    allocated_tolerance: Tolerance
     device: str
     interval_ms: float
     floor: str
@@ -238,6 +257,7 @@ class Settings:
     report: Path | None
     fast_exit: bool
     boxing: bool
+    sites: bool = True
     slurm_dir: Path | None = None
     srun_args: tuple[str, ...] = ()
     nnodes: int = 0
@@ -252,6 +272,7 @@ class Settings:
             allow_mib=self.allow_mib,
             tolerance=self.tolerance,
             device=self.device,
+            allocated_tolerance=self.allocated_tolerance,
         )
 
     def make_output_folders(self) -> None:

@@ -15,6 +15,19 @@ LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 DEVICES = ("auto", "gpu", "cpu")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
 DEFAULT_TOLERANCE = "5%+32MiB"  # gpumem_tolerance's default, and a report's when it names none
+# The allocator's peak of live tensors (torch max_memory_allocated) read the same to 0.01 MiB in
+# every launch of a job whose NVML figure moved by 2.8% (docs/gpu.md): a tolerance of its own,
+# tight enough to catch a 1% growth of a 14 GiB job (140 MiB) and far above its measured spread.
+DEFAULT_ALLOCATED_TOLERANCE = "0.5%+16MiB"
+
+# Which figure each limit reads on a GPU (docs/gpu.md says why): "device" is NVML's per-process
+# figure (what nvidia-smi shows, what runs out), "allocated" the framework allocator's peak of
+# live tensors (exact, but without the CUDA context, the communicator's buffers and the cache).
+# Where the framework reports no allocator figure (OneFlow 0.9), a limit reads "device". On host
+# memory there is one figure, the peak of live allocations, and every limit reads it.
+FIGURES = ("device", "allocated")
+LIMITS = ("max_mib", "max_ratio", "baseline")
+DEFAULT_FIGURES = (("baseline", "allocated"), ("max_mib", "device"), ("max_ratio", "allocated"))
 
 
 class SpecError(ValueError):
@@ -86,6 +99,7 @@ class Defaults:
     allow_mib: float = 0.0
     tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_TOLERANCE))
     device: str = "auto"
+    allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,12 @@ class Spec:
     args: tuple[str, ...] = ()
     config: tuple[tuple[str, str], ...] = ()
     nnodes: int | None = None  # launcher="srun": nodes to spread the ranks over (None: Slurm decides)
+    figures: tuple[tuple[str, str], ...] = DEFAULT_FIGURES  # limit -> figure it reads on a GPU
+    allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
+
+    def figure(self, limit: str) -> str:
+        """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
+        return dict(self.figures)[limit]
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -141,6 +161,8 @@ _ARGS = (
     "args",
     "config",
     "nnodes",
+    "figures",
+    "allocated_tolerance",
 )
 _UNSET = object()
 
@@ -248,6 +270,15 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
             raise SpecError(f"nnodes={nnodes!r} is not accepted with launcher={launcher!r}: "
                             "nodes are for launcher='srun' (the other launchers start every rank on this host)")
 
+    figures = kw.get("figures") or {}
+    if not isinstance(figures, Mapping) or not all(
+        k in LIMITS and v in FIGURES for k, v in figures.items()
+    ):
+        raise SpecError(f"figures={figures!r} is not accepted: expected a dict from {', '.join(LIMITS)} "
+                        f"to {' or '.join(repr(f) for f in FIGURES)}, e.g. {{'max_ratio': 'device'}}")
+    allocated_tolerance = (parse_tolerance(kw["allocated_tolerance"], "allocated_tolerance")
+                           if "allocated_tolerance" in kw else defaults.allocated_tolerance)
+
     return Spec(
         nproc=nproc,
         max_mib=max_mib,
@@ -264,5 +295,7 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         args=tuple(raw_args),
         config=tuple(sorted((k, str(v)) for k, v in config.items())),
         nnodes=nnodes,
+        figures=tuple(sorted({**dict(DEFAULT_FIGURES), **dict(figures)}.items())),
+        allocated_tolerance=allocated_tolerance,
     )
 # pragma: no mutate end

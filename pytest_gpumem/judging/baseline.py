@@ -20,14 +20,20 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: optional allocator figures and peak sites per entry; host platforms by architecture
+READ_SCHEMAS = (1, 2)
 MAX_MIB = 2.0**40
 LOCK_NAME = ".gpumem.lock"
 LOCK_TIMEOUT_S = 300.0
 STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-write
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
+_OPTIONAL_KEYS = ("allocated_mib", "reserved_mib", "sites")  # schema 2
+_SITE_KEYS = ("where", "function", "detail", "mib", "count", "internal")
+# CPU architectures, as platform.machine() names them: a host platform key since schema 2
+# (``cpu:x86_64``); a key naming anything else is a CPU model, the key of schema 1.
+ARCHITECTURES = frozenset({"x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64", "i686", "armv7l"})
 _INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
 _JSON_RULE = "JSON as pytest-gpumem writes it"
@@ -47,6 +53,9 @@ class Entry:
     device: str  # "gpu" | "cpu"
     method: str  # how it was measured, e.g. "high-water mark"
     provenance: dict[str, str]  # flat, so a diff shows exactly what changed
+    allocated_mib: float | None = None  # GPU: the gated rank's allocator figure (torch max_memory_allocated)
+    reserved_mib: float | None = None  # GPU: what the allocator reserved (information)
+    sites: tuple[dict[str, Any], ...] = ()  # the gated rank's top sites live at its peak
 
 
 class _Obj(dict[str, Any]):
@@ -115,7 +124,16 @@ def _check_mib(file: Path, where: str, value: Any) -> None:
 
 
 def _check_entry(file: Path, where: str, e: Any, world_size: int, device: str) -> None:
-    _check_obj(file, where, e, _ENTRY_KEYS, "an object with " + ", ".join(_ENTRY_KEYS))
+    required = {k: v for k, v in e.items() if k not in _OPTIONAL_KEYS} if isinstance(e, dict) else e
+    if isinstance(e, dict) and bool(getattr(e, "duplicates", ())):
+        _check_obj(file, where, e, None, "")
+    _check_obj(file, where, required, _ENTRY_KEYS,
+               "an object with " + ", ".join(_ENTRY_KEYS) + " (and optionally " + ", ".join(_OPTIONAL_KEYS) + ")")
+    for key in ("allocated_mib", "reserved_mib"):
+        if key in e and e[key] is not None:
+            _check_mib(file, f"{where}.{key}", e[key])
+    if "sites" in e:
+        _check_sites(file, f"{where}.sites", e["sites"])
     if e["device"] != device:
         raise _bad(file, f"{where}.device", _got(e["device"]), f"{device!r}, as the platform key says")
     _check_mib(file, f"{where}.gated_mib", e["gated_mib"])
@@ -136,7 +154,22 @@ def _check_entry(file: Path, where: str, e: Any, world_size: int, device: str) -
             raise _bad(file, f"{where}.provenance[{key!r}]", _got(value), "string keys and string values")
 
 
-_PLATFORM_RULE = "'gpu:<GPU name>' or 'cpu:<CPU model>'"
+def _check_sites(file: Path, where: str, sites: Any) -> None:
+    if not isinstance(sites, list):
+        raise _bad(file, where, _got(sites), "a list of sites")
+    for i, site in enumerate(sites):
+        _check_obj(file, f"{where}[{i}]", site, _SITE_KEYS, "an object with " + ", ".join(_SITE_KEYS))
+        for key in ("where", "function", "detail"):
+            if not isinstance(site[key], str):
+                raise _bad(file, f"{where}[{i}].{key}", _got(site[key]), "a string")
+        _check_mib(file, f"{where}[{i}].mib", site["mib"])
+        if type(site["count"]) is not int or site["count"] < 0:
+            raise _bad(file, f"{where}[{i}].count", _got(site["count"]), "an integer >= 0")
+        if not isinstance(site["internal"], bool):
+            raise _bad(file, f"{where}[{i}].internal", _got(site["internal"]), "true or false")
+
+
+_PLATFORM_RULE = "'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')"
 
 
 def _platform_device(key: Any) -> str | None:
@@ -147,9 +180,10 @@ def _platform_device(key: Any) -> str | None:
 def _check_doc(file: Path, doc: Any) -> None:
     _check_obj(file, "", doc, None, "an object with 'schema' and 'tests'")
     schema = doc.get("schema")  # checked first: a newer file should say so, not list unknown keys
-    if type(schema) is not int or schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema not in READ_SCHEMAS:
         what = f"{_got(schema)}, which this pytest-gpumem cannot read" if "schema" in doc else "missing"
-        raise _bad(file, "schema", what, f"{SCHEMA_VERSION} (the baseline schema this pytest-gpumem reads)")
+        raise _bad(file, "schema", what,
+                   f"{' or '.join(map(str, READ_SCHEMAS))} (the baseline schemas this pytest-gpumem reads)")
     _check_obj(file, "", doc, ("schema", "tests"), "'schema' and 'tests'")
     _check_obj(file, "tests", doc["tests"], None, "an object of test name -> platforms")
     for name, plats in doc["tests"].items():
@@ -213,14 +247,24 @@ def _to_json(e: Entry) -> dict[str, Any]:
     """Entry -> JSON object; anything of the wrong type is passed through for validation to name."""
     ranks = {str(r): _round(v) for r, v in e.ranks.items()} if isinstance(e.ranks, Mapping) else e.ranks
     prov = dict(e.provenance) if isinstance(e.provenance, Mapping) else e.provenance
-    return {"device": e.device, "gated_mib": _round(e.gated_mib), "method": e.method,
-            "provenance": prov, "rank": e.rank, "ranks": ranks}
+    out = {"device": e.device, "gated_mib": _round(e.gated_mib), "method": e.method,
+           "provenance": prov, "rank": e.rank, "ranks": ranks}
+    if e.allocated_mib is not None:
+        out["allocated_mib"] = _round(e.allocated_mib)
+    if e.reserved_mib is not None:
+        out["reserved_mib"] = _round(e.reserved_mib)
+    if e.sites:
+        out["sites"] = [dict(site) for site in e.sites]
+    return out
 
 
 def _from_json(raw: Mapping[str, Any]) -> Entry:
     ranks = {int(k): float(v) for k, v in raw["ranks"].items()}
     prov = dict(raw["provenance"])
-    return Entry(float(raw["gated_mib"]), ranks, raw["rank"], raw["device"], raw["method"], prov)
+    allocated, reserved = raw.get("allocated_mib"), raw.get("reserved_mib")
+    return Entry(float(raw["gated_mib"]), ranks, raw["rank"], raw["device"], raw["method"], prov,
+                 None if allocated is None else float(allocated), None if reserved is None else float(reserved),
+                 tuple(dict(site) for site in raw.get("sites") or ()))
 
 
 def _umask() -> int:
@@ -259,6 +303,28 @@ def _write_atomic(file: Path, data: bytes) -> None:
             os.close(dir_fd)
 
 
+def architecture(platform: str) -> str | None:
+    """``x86_64`` of ``cpu:x86_64``; None for a GPU key or a schema-1 CPU-model key."""
+    device, _, name = platform.partition(":")
+    return name if device == "cpu" and name in ARCHITECTURES else None
+
+
+def _legacy_keys(plats: Mapping[str, Any], platform: str) -> list[str]:
+    """Schema-1 keys (``cpu:<CPU model>``) of the same architecture as ``platform`` (``cpu:<arch>``)."""
+    arch = architecture(platform)
+    if arch is None:
+        return []
+    found = []
+    for key, sizes in plats.items():
+        if not key.startswith("cpu:") or architecture(key) is not None or not isinstance(sizes, Mapping):
+            continue
+        archs = {str(e.get("provenance", {}).get("platform", "")).rpartition("-")[2]
+                 for e in sizes.values() if isinstance(e, Mapping)}
+        if archs <= {arch, ""}:  # an entry that names no platform is taken as this one
+            found.append(key)
+    return found
+
+
 class BaselineStore:
     """Baselines under one directory. Reads take no lock (writers replace atomically); writes do."""
 
@@ -284,6 +350,25 @@ class BaselineStore:
         raw = loaded[1]["tests"].get(name, {}).get(platform, {}).get(str(world_size)) if loaded else None
         return None if raw is None else _from_json(raw)
 
+    def find(self, test_id: str, platform: str, world_size: int) -> tuple[Entry, str] | None:
+        """The comparable stored entry and the platform key it is filed under.
+
+        Host figures compare across CPU models of one architecture: ``cpu:x86_64`` finds its own
+        entry, else one filed by a schema-1 file under a CPU model (``cpu:AMD EPYC``) whose
+        provenance says it ran on the same architecture.
+        """
+        file, name = self._split(test_id)
+        loaded = _load(file)
+        plats = loaded[1]["tests"].get(name, {}) if loaded else {}
+        raw = plats.get(platform, {}).get(str(world_size))
+        if raw is not None:
+            return _from_json(raw), platform
+        for key in sorted(_legacy_keys(plats, platform)):
+            raw = plats[key].get(str(world_size))
+            if raw is not None:
+                return _from_json(raw), key
+        return None
+
     def platforms(self, test_id: str) -> list[str]:
         """Platforms stored for the test, so a miss can say where a baseline does exist."""
         file, name = self._split(test_id)
@@ -291,9 +376,14 @@ class BaselineStore:
         return sorted(loaded[1]["tests"].get(name, {})) if loaded else []
 
     def update(
-        self, test_id: str, platform: str, entries: Mapping[int, Entry]
+        self, test_id: str, platform: str, entries: Mapping[int, Entry],
+        merge: Callable[[Entry, Entry], Entry] | None = None,
     ) -> dict[int, tuple[Entry | None, Entry]]:
-        """Locked read-modify-write of these sizes only; everything else in the file is kept as it was."""
+        """Locked read-modify-write of these sizes only; everything else in the file is kept as it was.
+
+        ``merge(old, new)``, where an entry is replaced, gives what is written instead of ``new``
+        (the gate keeps stored sites that moved by less than noise).
+        """
         file, name = self._split(test_id)
         device = _platform_device(platform)
         if device is None:
@@ -315,10 +405,22 @@ class BaselineStore:
             with lock:
                 loaded = _load(file)  # a bad file raises here, before anything is written
                 doc: dict[str, Any] = loaded[1] if loaded else {"schema": SCHEMA_VERSION, "tests": {}}
-                sizes = doc["tests"].setdefault(name, {}).setdefault(platform, {})
-                changes = {int(ws): (_from_json(sizes[ws]) if ws in sizes else None, _from_json(raw))
-                           for ws, raw in new.items()}
+                plats = doc["tests"].setdefault(name, {})
+                sizes = plats.setdefault(platform, {})
+                changes: dict[int, tuple[Entry | None, Entry]] = {}
+                for size, raw in list(new.items()):
+                    old = sizes.get(size)
+                    for key in sorted(_legacy_keys(plats, platform)):  # a refresh files it under the new key
+                        legacy = plats[key].pop(size, None)
+                        old = old if old is not None or legacy is None else legacy
+                        if not plats[key]:
+                            del plats[key]
+                    if old is not None and merge is not None:
+                        raw = new[size] = _to_json(merge(_from_json(old), _from_json(raw)))
+                        _check_entry(file, f"tests[{name!r}][{platform!r}][{size!r}]", raw, int(size), device)
+                    changes[int(size)] = (None if old is None else _from_json(old), _from_json(raw))
                 sizes.update(new)
+                doc["schema"] = SCHEMA_VERSION
                 data = _dump(doc)
                 self._remove_stale_temps(file)
                 if loaded is None or loaded[0] != data:

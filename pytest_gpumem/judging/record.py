@@ -21,9 +21,10 @@ from ..config.spec import DEFAULT_TOLERANCE, SpecError, parse_tolerance
 
 if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs neither
     from ..config.spec import Spec
+    from .growth import Growth
     from .verdict import SizeResult, Verdict
 
-SCHEMA = 2
+SCHEMA = 3  # 3: allocator figures, peak sites, live curves, each check's figure
 STATUSES = ("pass", "FAIL", "ERROR", "skip", "XFAIL", "XPASS")
 CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "schema1")
 
@@ -58,6 +59,34 @@ class CheckRecord:
     measured_mib: float | None
     limit_mib: float | None
     text: str
+    figure: str = ""  # "device" (NVML), "allocated" (the GPU allocator's), "host"; "" in older reports
+    advisory: bool = False  # a not-validated prediction: shown, never failing
+
+
+@dataclass(frozen=True)
+class AllocatedRecord:
+    """A rank's GPU allocator figure: the peak of live tensors, and what the allocator reserved."""
+
+    mib: float
+    reserved_mib: float | None = None
+
+
+@dataclass(frozen=True)
+class SiteChange:
+    """A peak site that grew (or is new: ``old_mib`` 0) against nproc=1 or the baseline."""
+
+    label: str  # "examples/test_torch_ddp.py:57 _train (all_gather)"
+    old_mib: float
+    new_mib: float
+
+    @property
+    def growth(self) -> float:
+        return self.new_mib - self.old_mib
+
+    def line(self) -> str:
+        """``+256.0 MiB  examples/test_torch_ddp.py:57 _train (all_gather)``."""
+        new = "" if self.old_mib else "  (new)"
+        return f"{self.growth:+.1f} MiB  {self.label}{new}"
 
 
 @dataclass(frozen=True)
@@ -91,10 +120,15 @@ class SizeRecord:
     nodes: Mapping[int, str] = field(default_factory=dict)
     timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
     prediction: Mapping[str, Any] | None = None  # set: not launched (predict.Prediction.as_dict())
+    allocated_ranks: Mapping[int, AllocatedRecord] = field(default_factory=dict)  # GPU allocator figures
+    allocated_mib: float | None = None  # the gated rank's allocator figure (what allocated limits read)
+    allocated_baseline_mib: float | None = None
+    sites: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)  # live at the peak
+    live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the live figure over time
 
     @property
     def failed(self) -> bool:
-        return any(not check.ok for check in self.checks)
+        return any(not check.ok and not check.advisory for check in self.checks)
 
     @property
     def predicted(self) -> bool:
@@ -140,6 +174,9 @@ class TestRecord:
     notes: tuple[str, ...] = ()
     baseline_changes: tuple[BaselineChange, ...] = ()
     changed_since_baseline: tuple[str, ...] = ()
+    grown_sites: tuple[SiteChange, ...] = ()  # what grew at the failing size, largest first
+    grown_against: str = ""  # "nproc=1" or "the baseline"
+    sites_summary: str = ""  # what the listed sites leave out (shrunk, the framework's internals)
 
     def with_status(self, status: str) -> TestRecord:
         return replace(self, status=status)
@@ -170,6 +207,10 @@ class TestRecord:
             "notes": list(self.notes),
             "baseline_changes": [[c.nproc, c.old_mib, c.new_mib] for c in self.baseline_changes],
             "changed_since_baseline": list(self.changed_since_baseline),
+            "grown_sites": [{"site": c.label, "old_mib": round(c.old_mib, 3), "new_mib": round(c.new_mib, 3)}
+                            for c in self.grown_sites],
+            "grown_against": self.grown_against,
+            "sites_summary": self.sites_summary,
         }
 
     @classmethod
@@ -200,7 +241,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "ranks": _keyed(s.ranks, lambda p: p.mib),
         "methods": _keyed(s.ranks, lambda p: p.method),
         "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
-                    "text": c.text} for c in s.checks],
+                    "text": c.text, "figure": c.figure, "advisory": c.advisory} for c in s.checks],
         "failed": s.failed,  # derived from the checks; kept for readers of schema 1
         "ratio": s.ratio,
         "baseline_mib": s.baseline_mib,
@@ -216,6 +257,12 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "nodes": _keyed(s.nodes),
         "timeline": [[t, _keyed(point)] for t, point in s.timeline],
         "predicted": None if s.prediction is None else dict(s.prediction),
+        "allocated_ranks": _keyed(s.allocated_ranks,
+                                  lambda a: {"allocated_mib": a.mib, "reserved_mib": a.reserved_mib}),
+        "allocated_mib": s.allocated_mib,
+        "allocated_baseline_mib": s.allocated_baseline_mib,
+        "sites": _keyed(s.sites, lambda sites: [dict(site) for site in sites]),
+        "live_timeline": [[t, _keyed(point)] for t, point in s.live_timeline],
     }
 
 
@@ -327,7 +374,8 @@ class _Reader:
             self.bad(f"{where}.kind", f"one of {', '.join(CHECK_KINDS)}", kind)
         return CheckRecord(kind=kind, ok=self.flag(raw, "ok", where),
                            measured_mib=self.number(raw, "measured_mib", where),
-                           limit_mib=self.number(raw, "limit_mib", where), text=self.text(raw, "text", where, ""))
+                           limit_mib=self.number(raw, "limit_mib", where), text=self.text(raw, "text", where, ""),
+                           figure=self.text(raw, "figure", where, ""), advisory=self.flag(raw, "advisory", where))
 
     def timeline(self, raw: Any, where: str) -> tuple[tuple[float, Mapping[int, float]], ...]:
         if not isinstance(raw, list):
@@ -391,7 +439,24 @@ class _Reader:
             peak_at_s=self.per_rank(raw, "peak_at_s", where, self.mib), imbalance=imbalance,
             duration_s=self.number(raw, "duration_s", where) or 0.0, reused=self.flag(raw, "reused", where),
             nodes=self.per_rank(raw, "nodes", where, self.string),
-            timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"), prediction=prediction)
+            timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"), prediction=prediction,
+            allocated_ranks=self.per_rank(raw, "allocated_ranks", where, self._allocated),
+            allocated_mib=self.number(raw, "allocated_mib", where),
+            allocated_baseline_mib=self.number(raw, "allocated_baseline_mib", where),
+            sites=self.per_rank(raw, "sites", where, self._sites),
+            live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"))
+
+    def _allocated(self, raw: Any, where: str) -> AllocatedRecord | None:
+        raw = self.obj(raw, where)
+        mib = self.number(raw, "allocated_mib", where, optional=False)
+        return None if mib is None else AllocatedRecord(mib, self.number(raw, "reserved_mib", where))
+
+    def _sites(self, raw: Any, where: str) -> tuple[Mapping[str, Any], ...] | None:
+        if not (isinstance(raw, list) and all(isinstance(s, dict) and isinstance(s.get("where"), str)
+                                              and _is_number(s.get("mib")) for s in raw)):
+            self.bad(where, "a list of sites ({where, function, detail, mib, count})", raw)
+            return None
+        return tuple(raw)
 
     def _optional_mib(self, raw: Any, where: str) -> float | None:
         return None if raw is None else self.mib(raw, where)
@@ -440,11 +505,20 @@ class _Reader:
                                               float(change[2])))
             else:
                 self.bad(f"{where}.baseline_changes[{j}]", "[nproc, old MiB or null, new MiB]", change)
+        grown = []
+        for j, item in enumerate(raw.get("grown_sites") or []):
+            if (isinstance(item, dict) and isinstance(item.get("site"), str) and _is_number(item.get("old_mib"))
+                    and _is_number(item.get("new_mib"))):
+                grown.append(SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"])))
+            else:
+                self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib}", item)
         return TestRecord(
             test=test, status=str(status), nproc=tuple(nproc), launcher=self.text(raw, "launcher", where, "direct"),
             limits=limits, sizes=sizes, provenance={str(k): str(v) for k, v in provenance.items()},
             messages=tuple(str(m) for m in raw.get("messages") or []), notes=self.texts(raw, "notes", where),
-            baseline_changes=tuple(changes), changed_since_baseline=self.texts(raw, "changed_since_baseline", where))
+            baseline_changes=tuple(changes), changed_since_baseline=self.texts(raw, "changed_since_baseline", where),
+            grown_sites=tuple(grown), grown_against=self.text(raw, "grown_against", where, ""),
+            sites_summary=self.text(raw, "sites_summary", where, ""))
 
 
 # ---------------------------------------------------------------------------------------------- reports
@@ -460,8 +534,8 @@ def parse_report(doc: Any) -> list[TestRecord]:
     if not isinstance(doc, dict):
         raise ReportError(f"expected a JSON object with 'schema' and 'tests', got {type(doc).__name__}")
     schema = doc.get("schema")
-    if schema not in (1, SCHEMA):
-        raise ReportError(f"schema: expected 1 or {SCHEMA} (a pytest --gpumem-report file), got {schema!r}")
+    if schema not in (1, 2, SCHEMA):
+        raise ReportError(f"schema: expected 1, 2 or {SCHEMA} (a pytest --gpumem-report file), got {schema!r}")
     tests = doc.get("tests")
     if not isinstance(tests, list):
         raise ReportError(f"tests: expected a list of test records, got {type(tests).__name__}")
@@ -515,8 +589,9 @@ class Run(Protocol):
 
 
 def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping[int, float] | None = None,
+          allocated_baselines: Mapping[int, float] | None = None,
           changes: Sequence[BaselineChange] = (), changed: Sequence[str] = (),
-          messages: Sequence[str] | None = None) -> TestRecord:
+          messages: Sequence[str] | None = None, growth: Growth | None = None) -> TestRecord:
     """The record of one test, from its run and its verdict: the one place that derives these facts."""
     from .explain import imbalance, peak_times
 
@@ -524,7 +599,8 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
     checks: dict[int, list[CheckRecord]] = {}
     for check in verdict.checks if verdict is not None else ():
         checks.setdefault(check.world_size, []).append(
-            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, str(check)))
+            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, str(check), check.figure,
+                        check.advisory))
     sizes = []
     for result in test.results:
         n = result.world_size
@@ -553,6 +629,14 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
             timeline=tuple((round(t, 4), {r: round(v, 2) for r, v in point.items()}) for t, point in result.timeline),
             # Not launched: fitted from the launched sizes (model, its LOO error, the points).
             prediction=result.prediction.as_dict() if result.prediction is not None else None,
+            allocated_ranks={r: AllocatedRecord(round(a.mib, 2), None if a.reserved_mib is None
+                                                else round(a.reserved_mib, 2))
+                             for r, a in sorted(result.allocated.items())},
+            allocated_mib=_allocated_reading(result, spec),
+            allocated_baseline_mib=(allocated_baselines or {}).get(n),
+            sites={r: tuple(site.as_dict() for site in sites) for r, sites in sorted(result.sites.items())},
+            live_timeline=tuple((round(t, 4), {r: round(v, 2) for r, v in point.items()})
+                                for t, point in result.live_timeline),
         ))
     if messages is None:
         messages = [str(c) for c in verdict.failures] if verdict is not None else []
@@ -568,4 +652,13 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
         notes=tuple(verdict.notes) if verdict is not None else (),
         baseline_changes=tuple(changes),
         changed_since_baseline=tuple(changed),
+        grown_sites=tuple(growth.grown) if growth is not None else (),
+        grown_against=growth.against if growth is not None else "",
+        sites_summary=growth.summary() if growth is not None else "",
     )
+
+
+def _allocated_reading(result: SizeResult, spec: Spec) -> float | None:
+    """The gated rank's allocator figure, as an allocated limit reads it (None: there is none)."""
+    _, mib, figure = result.read(spec.rank, "allocated")
+    return round(mib, 2) if figure == "allocated" and mib is not None else None

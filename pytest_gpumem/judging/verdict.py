@@ -7,11 +7,14 @@ Every failed check says the limit, the measured value, the unit, the rank and th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..config.spec import Spec, Tolerance
-from ..sampling import Peak
+from ..sampling import AllocatedPeak, Peak
+from ..sampling.sites import Site
 from .predict import Prediction
+
+DEVICE, ALLOCATED, HOST = "device", "allocated", "host"  # the figures a limit can read
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,39 @@ class SizeResult:
     reused: bool = False
     nodes: Mapping[int, str] = field(default_factory=dict)  # launcher=srun: the node of each rank
     prediction: Prediction | None = None  # set: a size above the launch cap, never launched
+    allocated: Mapping[int, AllocatedPeak] = field(default_factory=dict)  # GPU: the framework allocator's
+    allocated_prediction: Prediction | None = None  # a predicted size's allocator figure
+    sites: Mapping[int, tuple[Site, ...]] = field(default_factory=dict)  # live at each rank's peak
+    live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the gated live figure over time
+    sites_notes: tuple[str, ...] = ()
 
     @property
     def predicted(self) -> bool:
         return self.prediction is not None
+
+    @property
+    def validated(self) -> bool:
+        """Whether a predicted figure can gate: its model was judged on sizes it did not see (LOO)."""
+        return self.prediction is None or self.prediction.fit.loo_error is not None
+
+    def read(self, rank: int | str, figure: str) -> tuple[str, float | None, str]:
+        """(label of the gated rank, its MiB, the figure read) for a limit that reads ``figure``.
+
+        On a GPU, "allocated" is the framework allocator's figure where the rank reported one;
+        otherwise (OneFlow, a rank that never used the allocator) the device figure is read. On
+        host memory every limit reads the one host figure.
+        """
+        if self.device == "gpu" and figure == ALLOCATED:
+            if self.prediction is not None and self.allocated_prediction is not None:
+                return self.allocated_prediction.rank_label, self.allocated_prediction.mib, ALLOCATED
+            if self.prediction is None and self.allocated:
+                if rank == "all":
+                    top = max((p.mib, r) for r, p in self.allocated.items())[1]
+                    return f"rank {top} (largest)", self.allocated[top].mib, ALLOCATED
+                if int(rank) in self.allocated:
+                    return f"rank {rank}", self.allocated[int(rank)].mib, ALLOCATED
+        label, mib = self.gated(rank)
+        return label, mib, DEVICE if self.device == "gpu" else HOST
 
     @property
     def basis(self) -> str:
@@ -85,8 +117,10 @@ class SizeResult:
 
 @dataclass(frozen=True)
 class BaselineRef:
-    mib: float
+    mib: float  # the stored device (GPU) or host figure of the gated rank
     tolerance: Tolerance
+    allocated_mib: float | None = None  # the stored allocator figure (GPU, torch)
+    allocated_tolerance: Tolerance | None = None
 
 
 def against_reference(measured_mib: float, reference_mib: float, tolerance: Tolerance) -> tuple[str, float]:
@@ -117,9 +151,13 @@ class Check:
     ok: bool
     detail: str
     basis: str = ""  # "predicted by a + b*N from nproc 1,2,4; LOO error 1.2%" for a predicted size
+    figure: str = ""  # DEVICE, ALLOCATED or HOST: what was compared with the limit
+    advisory: bool = False  # a predicted size whose model could not be validated: shown, never failing
 
     def __str__(self) -> str:
-        where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{', ' + self.basis if self.basis else ''})"
+        figure = ", allocated" if self.figure == ALLOCATED else ""
+        basis = f", {self.basis}" if self.basis else ""
+        where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{figure}{basis})"
         if self.measured_mib is None:
             return f"{where}: {self.detail}"
         relation = "<=" if self.ok else ">"
@@ -135,18 +173,24 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return all(check.ok for check in self.checks)
+        return not self.failures
 
     @property
     def failures(self) -> list[Check]:
-        return [check for check in self.checks if not check.ok]
+        """Failed checks that gate (a prediction that could not be validated is only shown)."""
+        return [check for check in self.checks if not check.ok and not check.advisory]
+
+    @property
+    def advisories(self) -> list[Check]:
+        """Limits a not-validated prediction would exceed: shown, labelled, never failing the test."""
+        return [check for check in self.checks if not check.ok and check.advisory]
 
     def ratio(self, world_size: int) -> float | None:
+        """peak(N) / peak(1) in the figure the ratio limit reads (see :func:`ratio_figures`)."""
         by_size = {r.world_size: r for r in self.results}
         if world_size == 1 or 1 not in by_size or world_size not in by_size:
             return None
-        _, base = by_size[1].gated(self.spec.rank)
-        _, value = by_size[world_size].gated(self.spec.rank)
+        base, value, _ = ratio_figures(self.spec, by_size[1], by_size[world_size])
         if base is None or value is None or base <= 0:
             return None
         return value / base
@@ -164,17 +208,25 @@ class Verdict:
                 text += " predicted"
             if any(c.world_size == result.world_size for c in self.failures):
                 text += " FAIL"
+            elif any(c.world_size == result.world_size for c in self.advisories):
+                text += " (would exceed, not validated)"
             parts.append(text)
         gated = "largest rank" if self.spec.rank == "all" else f"rank {self.spec.rank}"
         return f"{gated} peak, nproc " + " | ".join(parts)
 
-    def render(self) -> str:
+    def render(self, after_failures: list[str] | None = None) -> str:
+        """The failed checks first, then ``after_failures`` (the sites that grew), then the rest."""
         lines = []
         failures = self.failures
         if failures:
             first = failures[0]
             lines.append(f"gpumem: memory limit exceeded at nproc={first.world_size}")
             lines.extend(f"  {check}" for check in failures)
+        lines.extend(after_failures or [])
+        advisories = self.advisories
+        if advisories:
+            lines.append("  predicted, not validated (shown, not failing: fit on fewer than 3 launched sizes):")
+            lines.extend(f"    would exceed: {check}" for check in advisories)
         lines.append("  " + self.summary_line())
         for result in self.results:
             if result.prediction is not None:
@@ -205,52 +257,89 @@ class Verdict:
         return "\n".join(lines)
 
 
+def ratio_figures(spec: Spec, one: SizeResult, result: SizeResult) -> tuple[float | None, float | None, str]:
+    """(peak at nproc=1, peak at N, the figure) for the ratio: both sides read the same figure, so
+    when one side has no allocator figure both read the device figure."""
+    _, base, base_figure = one.read(spec.rank, spec.figure("max_ratio"))
+    _, value, figure = result.read(spec.rank, spec.figure("max_ratio"))
+    if base_figure != figure:
+        _, base, figure = one.read(spec.rank, DEVICE)
+        _, value, figure = result.read(spec.rank, DEVICE)
+    return base, value, figure
+
+
 def judge(
     spec: Spec,
     results: list[SizeResult],
     baselines: Mapping[int, BaselineRef] | None = None,
     notes: tuple[str, ...] = (),
 ) -> Verdict:
-    """Apply every limit of ``spec`` (and the stored baselines) to every launched size."""
+    """Apply every limit of ``spec`` (and the stored baselines) to every launched size, each on the
+    figure it reads (``spec.figures``); a predicted size whose model was not validated only advises."""
     checks: list[Check] = []
     extra_notes = list(notes)
     by_size = {r.world_size: r for r in results}
-    _, reference = by_size[1].gated(spec.rank) if 1 in by_size else ("", None)
+    one = by_size.get(1)
     for result in sorted(results, key=lambda r: r.world_size):
         n = result.world_size
         label, mib = result.gated(spec.rank)
+        advisory = not result.validated
 
-        def check(kind: str, limit: float | None, ok: bool, detail: str) -> None:
-            checks.append(Check(kind, n, label, result.device, mib, limit, ok, detail, result.basis))
+        def check(kind: str, limit: float | None, ok: bool, detail: str, value: float | None,
+                  who: str, figure: str) -> None:
+            checks.append(Check(kind, n, who, result.device, value, limit, ok, detail, result.basis, figure,
+                                advisory))
 
         if mib is None:
-            check("measured", None, False, f"no peak could be measured ({result.methods})")
+            check("measured", None, False, f"no peak could be measured ({result.methods})", None, label, "")
             continue
         if spec.max_mib is not None:
-            check("max_mib", spec.max_mib, mib <= spec.max_mib, f"max_mib {spec.max_mib:.1f} MiB")
-        if spec.max_ratio is not None and n > 1 and reference is not None:
-            limit = spec.max_ratio * reference + spec.allow_mib
-            ratio = f"ratio {mib / reference:.2f}x" if reference > 0 else "no ratio: the nproc=1 peak is 0 MiB"
-            check(
-                "max_ratio",
-                limit,
-                mib <= limit,
-                f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
-                f" = {limit:.1f} MiB ({ratio})",
-            )
+            who, value, figure = result.read(spec.rank, spec.figure("max_mib"))
+            if value is not None:
+                check("max_mib", spec.max_mib, value <= spec.max_mib, f"max_mib {spec.max_mib:.1f} MiB", value,
+                      who, figure)
+        if spec.max_ratio is not None and n > 1 and one is not None:
+            reference, value, figure = ratio_figures(spec, one, result)
+            who = result.read(spec.rank, figure)[0]
+            if reference is not None and value is not None:
+                limit = spec.max_ratio * reference + spec.allow_mib
+                ratio = (f"ratio {value / reference:.2f}x" if reference > 0
+                         else "no ratio: the nproc=1 peak is 0 MiB")
+                check(
+                    "max_ratio",
+                    limit,
+                    value <= limit,
+                    f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
+                    f" = {limit:.1f} MiB ({ratio})",
+                    value, who, figure,
+                )
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
-            kind, allowance = against_reference(mib, base.mib, base.tolerance)
-            limit = base.mib + allowance
-            check(
-                "baseline",
-                limit,
-                kind != "regression",
-                f"baseline {base.mib:.1f} MiB + tolerance {base.tolerance} = {limit:.1f} MiB",
-            )
-            if kind == "improved":
-                extra_notes.append(
-                    f"{label} at nproc={n}: peak {mib:.1f} MiB is below the baseline "
-                    f"{base.mib:.1f} MiB by more than {base.tolerance}; refresh the baseline to tighten it"
-                )
+            _baseline_checks(spec, result, base, check, extra_notes)
     return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes))
+
+
+def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any, notes: list[str]) -> None:
+    """The stored figure(s): the device (or host) figure at ``tolerance``, and on a GPU, where both
+    the baseline and this run have it, the allocator figure at its own, tighter tolerance."""
+    pairs = []
+    label, mib, figure = result.read(spec.rank, DEVICE)
+    pairs.append((label, mib, figure, base.mib, base.tolerance))
+    if spec.figure("baseline") == ALLOCATED and base.allocated_mib is not None:
+        label, value, figure = result.read(spec.rank, ALLOCATED)
+        if figure == ALLOCATED:
+            tolerance = base.allocated_tolerance or spec.allocated_tolerance
+            pairs.append((label, value, figure, base.allocated_mib, tolerance))
+    for label, value, figure, stored, tolerance in pairs:
+        if value is None:
+            continue
+        kind, allowance = against_reference(value, stored, tolerance)
+        limit = stored + allowance
+        check("baseline", limit, kind != "regression",
+              f"baseline {stored:.1f} MiB + tolerance {tolerance} = {limit:.1f} MiB", value, label, figure)
+        if kind == "improved":
+            what = "allocator figure" if figure == ALLOCATED else "peak"
+            notes.append(
+                f"{label} at nproc={result.world_size}: {what} {value:.1f} MiB is below the baseline "
+                f"{stored:.1f} MiB by more than {tolerance}; refresh the baseline to tighten it"
+            )

@@ -8,6 +8,7 @@ env in script mode).
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
@@ -17,10 +18,11 @@ from ..judging.explain import config_provenance
 from ..judging.verdict import FloorResult, SizeResult
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
-from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, SNAPSHOT_ENV
-from ..sampling import Peak, Sampler
+from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, ROOTDIR_ENV, SNAPSHOT_ENV
+from ..sampling import AllocatedPeak, Peak, Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import platform_key
+from ..sampling.sites import Site, from_dicts
 from . import slurm
 from .floor import FRAMEWORKS
 from .gpus import GpuPlan, GpuPlanner
@@ -221,7 +223,9 @@ class Runner:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        side_env = {SNAPSHOT_ENV: "1"} if self.snapshot_dir is not None else {}  # rank-side measurements
+        side_env = {ROOTDIR_ENV: str(self.rootdir)}  # rank-side measurements: sites named from the rootdir
+        if self.snapshot_dir is not None:
+            side_env[SNAPSHOT_ENV] = "1"
         if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
             side_env[GPU_IN_RANK_ENV] = "1"
             if plan.sampler is not None:
@@ -236,6 +240,7 @@ class Runner:
             timeout=spec.timeout,
             nnodes=spec.nnodes,
         )
+        started_at = time.time()  # the ranks' own curves are in epoch seconds
         for sampler in samplers:
             sampler.start()
         try:
@@ -244,7 +249,7 @@ class Runner:
             for sampler in samplers:
                 sampler.stop()
             plan.release()
-        run = self._read(spec, nproc, workdir, launch, host, plan)
+        run = self._read(spec, nproc, workdir, launch, host, plan, started_at)
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
@@ -270,16 +275,18 @@ class Runner:
         return kept
 
     def _read(self, spec: Spec, nproc: int, workdir: Path, launch: LaunchResult,
-              host: HostSampler, plan: GpuPlan) -> SizeRun:
+              host: HostSampler, plan: GpuPlan, started_at: float = 0.0) -> SizeRun:
         gpu = plan.sampler
         provenance: dict[str, str] = {}
         notes: list[str] = []
         in_rank_gpu: dict[int, tuple[float | None, str, str | None]] = {}
         exited: set[int] = set()
+        reports: dict[int, protocol.ExitReport] = {}
         for rank in range(nproc):
             report = protocol.read_exit(workdir, rank)
             if report is None:
                 continue
+            reports[rank] = report
             exited.add(rank)
             host.report_exit(rank, report.maxrss_kib, report.alloc_peak_mib, report.alloc_method)
             if report.gpu_method is not None:
@@ -304,6 +311,7 @@ class Runner:
         if use_gpu:
             provenance.update(plan.provenance)
         timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
+        allocated, sites, live, site_notes = _rank_figures(reports, use_gpu, started_at)
         result = SizeResult(
             world_size=nproc,
             device="gpu" if use_gpu else "cpu",
@@ -314,6 +322,10 @@ class Runner:
             timeline=tuple(timeline),
             duration_s=launch.duration_s,
             nodes=dict(launch.nodes),
+            allocated=allocated,
+            sites=sites,
+            live_timeline=live,
+            sites_notes=tuple(site_notes),
         )
         outcomes = self._outcomes(spec, nproc, launch, exited)
         run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
@@ -376,6 +388,36 @@ class Runner:
             if log:
                 problems.append(f"{launch.launcher} launcher output (last lines):\n{log}")
         return problems
+
+
+def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started_at: float) -> tuple[
+        dict[int, AllocatedPeak], dict[int, tuple[Site, ...]], tuple[tuple[float, dict[int, float]], ...], list[str]]:
+    """What each rank measured of itself: its allocator figure (GPU), the sites live at the peak of
+    the gated figure, and that figure's live curve (seconds since the launch started)."""
+    allocated: dict[int, AllocatedPeak] = {}
+    sites: dict[int, tuple[Site, ...]] = {}
+    curves: dict[int, list[list[float]]] = {}
+    notes: list[str] = []
+    for rank, report in sorted(reports.items()):
+        found = report.gpu_allocator or {}
+        if use_gpu and isinstance(found.get("allocated_mib"), (int, float)):
+            reserved = found.get("reserved_mib")
+            allocated[rank] = AllocatedPeak(float(found["allocated_mib"]),
+                                            float(reserved) if isinstance(reserved, (int, float)) else None,
+                                            str(found.get("framework", "torch")))
+        raw_sites, curve, problem = ((found.get("sites") or [], found.get("timeline") or [], found.get("sites_problem"))
+                                     if use_gpu else (report.alloc_sites, report.alloc_timeline, report.sites_problem))
+        if raw_sites:
+            sites[rank] = tuple(from_dicts(raw_sites))
+        if curve:
+            curves[rank] = curve
+        if problem and rank == 0:
+            notes.append(f"rank {rank} peak sites: {problem}")
+    points: dict[float, dict[int, float]] = {}
+    for rank, curve in curves.items():
+        for t, mib in curve:
+            points.setdefault(round(float(t) - started_at, 4), {})[rank] = float(mib)
+    return allocated, sites, tuple(sorted(points.items())), notes
 
 
 def _who(launch: LaunchResult, rank: int) -> str:

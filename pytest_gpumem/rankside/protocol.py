@@ -87,6 +87,12 @@ class ExitReport:
     gpu_name: str | None = None
     gpu_problems: list[str] = field(default_factory=list)
     provenance: dict[str, str] = field(default_factory=dict)
+    alloc_sites: list[dict[str, Any]] = field(default_factory=list)  # host sites live at the peak
+    alloc_timeline: list[list[float]] = field(default_factory=list)  # [epoch s, MiB live], thinned
+    sites_problem: str | None = None
+    # torch's CUDA allocator (rankside.gpu_allocator): framework, allocated_mib, reserved_mib,
+    # devices, and with history: sites, timeline, sites_problem, problems
+    gpu_allocator: dict[str, Any] = field(default_factory=dict)
 
 
 def write_exit(workdir: Path, rank: int, report: ExitReport) -> None:

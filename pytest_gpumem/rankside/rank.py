@@ -18,12 +18,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..sampling.allocations import AllocationTracker
     from ..sampling.nvml import NvmlSampler
+    from .gpu_allocator import TorchAllocator
 
 # Light on purpose: plugin.py imports this module in every pytest session (for the names above),
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
@@ -38,6 +38,15 @@ FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's f
 TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figures fall back to VmHWM
 GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
 GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
+SITES_ENV = "GPUMEM_SITES"  # off: no peak sites (no torch allocator history, no memray site read-back)
+ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the parent)
+
+_allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
+
+
+def allocator() -> "TorchAllocator | None":
+    """The rank's torch allocator watch, for the test body's start and end (plugin.RankSide)."""
+    return _allocator
 
 
 def switched_off(name: str) -> bool:
@@ -52,18 +61,6 @@ def declare_config(settings: dict[str, object]) -> None:
         from . import protocol
 
         protocol.update_config(Path(workdir), int(os.environ.get("RANK", "0")), settings)
-
-
-def start_torch_history() -> ModuleType | None:
-    """torch, when it is installed and has a GPU; the history must start before the body allocates."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    return torch
 
 
 def framework_versions() -> dict[str, str]:
@@ -136,18 +133,22 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
             "gpu_name": sampler.devices[0].name, "gpu_problems": list(sampler.problems)}
 
 
-def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None") -> None:
+def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None",
+                 torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import host_provenance
     from . import protocol
 
     alloc_mib = tracker.stop()
+    gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
     provenance = {**host_provenance(os.environ), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
-        alloc_problem=tracker.problem, provenance=provenance, **_gpu_report(gpu_sampler)))
+        alloc_problem=tracker.problem, provenance=provenance, alloc_sites=tracker.sites,
+        alloc_timeline=[[t, mib] for t, mib in tracker.timeline], sites_problem=tracker.sites_problem,
+        gpu_allocator=gpu_allocator, **_gpu_report(gpu_sampler)))
 
 
 def _die_with_parent() -> None:
@@ -211,7 +212,9 @@ def main(argv: list[str]) -> None:
     from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from ..sampling.allocations import AllocationTracker
     from . import protocol
+    from .gpu_allocator import TorchAllocator
 
+    global _allocator
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = int(os.environ.get("RANK", "0"))
@@ -222,12 +225,17 @@ def main(argv: list[str]) -> None:
     install_oneflow_gate()  # costs nothing until oneflow is imported
     if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
         install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
-    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"))
+    sites = not switched_off(SITES_ENV)
+    root = Path(os.environ[ROOTDIR_ENV]) if os.environ.get(ROOTDIR_ENV) else None
+    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root)
     if not switched_off(TRACK_ENV):
         tracker.start()  # before the target imports anything: the frameworks' own allocations count
+    _allocator = TorchAllocator(history=sites or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
+    _allocator.install()  # costs nothing until torch is imported, starts no CUDA
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
     protocol.write_hello(workdir, rank)
-    atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler)  # runs last: after the frameworks' shutdown
+    # Runs last: after the frameworks' own shutdown.
+    atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler, _allocator)
 
     if mode == "pytest":
         sys.argv = ["pytest", target, *args]

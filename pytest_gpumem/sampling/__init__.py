@@ -20,6 +20,17 @@ class Peak:
     method: str
 
 
+@dataclass(frozen=True)
+class AllocatedPeak:
+    """A rank's GPU figure as its framework's allocator counts it: the peak of live tensors
+    (``allocated``, gated where a limit reads it) and of what the allocator held (``reserved``,
+    information: the cache moves between identical runs)."""
+
+    mib: float
+    reserved_mib: float | None
+    framework: str  # "torch"
+
+
 class Sampler(Protocol):
     def start(self) -> None: ...
 

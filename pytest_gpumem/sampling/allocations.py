@@ -34,9 +34,14 @@ class AllocationTracker:
     only the high-water mark is read back.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, sites: bool = False, root: Path | None = None) -> None:
         self.path = path
         self.problem: str | None = None
+        self.sites_wanted = sites  # also read the sites live at the peak and the live heap over time
+        self.root = root  # sites are named relative to it (the rootdir)
+        self.sites: list[dict[str, Any]] = []
+        self.sites_problem: str | None = None
+        self.timeline: list[tuple[float, float]] = []
         self._tracker: Any = None
 
     def start(self) -> None:
@@ -64,10 +69,24 @@ class AllocationTracker:
             tracker.__exit__(None, None, None)
             import memray
 
-            return float(memray.FileReader(self.path).metadata.peak_memory) / MiB
+            peak = float(memray.FileReader(self.path).metadata.peak_memory) / MiB
         except Exception as exc:
             self.problem = f"memray capture unreadable ({exc})"
             return None
+        else:
+            if self.sites_wanted:
+                self._read_sites()
+            return peak
         finally:
             with contextlib.suppress(OSError):
                 self.path.unlink()
+
+    def _read_sites(self) -> None:
+        """What was live at the high-water mark, by site, and the live heap over time (for plots)."""
+        from .sites import memray_heap_timeline, memray_sites
+
+        try:
+            self.sites = [site.as_dict() for site in memray_sites(self.path, self.root)]
+            self.timeline = memray_heap_timeline(self.path)
+        except Exception as exc:  # noqa: BLE001 - an older memray: the peak stands without its sites
+            self.sites_problem = f"memray sites unreadable ({exc})"

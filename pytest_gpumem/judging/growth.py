@@ -1,0 +1,95 @@
+"""Which peak sites grew: the answer to "which code holds the extra memory?".
+
+Against nproc=1 for a scaling failure (the seeds' case: what exists at 8 ranks that did not at 1),
+against the baseline's stored sites for a baseline failure. Sites of the user's code that grew or
+are new are listed, largest first; the ones that shrank and the framework's internals are summed
+into one sentence, so that the list starts with the line to read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..sampling.sites import Site, from_dicts
+from .record import SiteChange
+
+LISTED_MIB = 1.5  # a site must grow by this much to be listed: below it, a pymalloc arena's MiB
+LISTED = 8  # at most this many lines; the rest is summed
+STORED = 8  # user sites a baseline keeps (plus the internals' and native sums)
+
+
+@dataclass(frozen=True)
+class Growth:
+    against: str  # "nproc=1", "the baseline"
+    grown: tuple[SiteChange, ...]
+    unlisted_mib: float = 0.0  # smaller growths of user sites
+    unlisted: int = 0
+    shrunk_mib: float = 0.0
+    shrunk: int = 0
+    internal_mib: float = 0.0  # change of the framework's internals and native allocations
+
+    def summary(self) -> str:
+        """``3 smaller sites +2.1 MiB; 2 sites shrank by 12.0 MiB; framework internals +4.1 MiB``."""
+        parts = []
+        if self.unlisted:
+            parts.append(f"{self.unlisted} smaller site{'s' if self.unlisted > 1 else ''} {self.unlisted_mib:+.1f} MiB")
+        if self.shrunk:
+            parts.append(f"{self.shrunk} site{'s' if self.shrunk > 1 else ''} shrank by {-self.shrunk_mib:.1f} MiB")
+        if abs(self.internal_mib) >= 0.05:
+            parts.append(f"framework internals and native code {self.internal_mib:+.1f} MiB")
+        return "; ".join(parts)
+
+    def lines(self, limit: int = LISTED) -> list[str]:
+        lines = [change.line() for change in self.grown[:limit]]
+        summary = self.summary()
+        return lines + ([f"({summary})"] if summary else [])
+
+
+def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete: bool = True) -> Growth:
+    """Sites of ``new`` against ``old``. ``old_complete=False`` (a baseline keeps only its top sites):
+    a site absent from ``old`` is compared with the smallest stored one, not with nothing."""
+    before = {s.key: s for s in old if not s.internal}
+    floor = 0.0 if old_complete or not before else min(s.mib for s in before.values())
+    grown: list[SiteChange] = []
+    unlisted_mib = shrunk_mib = 0.0
+    unlisted = shrunk = 0
+    for site in new:
+        if site.internal:
+            continue
+        was = before.pop(site.key, None)
+        old_mib = was.mib if was is not None else min(floor, site.mib)
+        delta = site.mib - old_mib
+        if delta >= LISTED_MIB:
+            grown.append(SiteChange(site.label(), old_mib, site.mib))
+        elif delta > 0.05:
+            unlisted, unlisted_mib = unlisted + 1, unlisted_mib + delta
+        elif delta < -0.05:
+            shrunk, shrunk_mib = shrunk + 1, shrunk_mib + delta
+    for gone in before.values():  # user sites that were live at the old peak and are not now
+        shrunk, shrunk_mib = shrunk + 1, shrunk_mib - gone.mib
+    internal = sum(s.mib for s in new if s.internal) - sum(s.mib for s in old if s.internal)
+    grown.sort(key=lambda c: (-c.growth, c.label))
+    return Growth(against, tuple(grown), unlisted_mib, unlisted, shrunk_mib, shrunk, internal)
+
+
+def stored_sites(sites: Iterable[Site]) -> list[dict[str, Any]]:
+    """What a baseline keeps: the top user sites and the internals' sums, sizes to 0.1 MiB."""
+    sites = list(sites)
+    users = [s for s in sites if not s.internal][:STORED]
+    kept = users + [s for s in sites if s.internal]
+    return [{**s.as_dict(), "mib": round(s.mib, 1)} for s in kept]
+
+
+def steady(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A refresh keeps a stored site's size when it moved by less than rerun noise, so an unchanged
+    test rewrites no site: ``max(1 MiB, 2%)``. New, gone and moved sites are rewritten."""
+    before = {s.key: s for s in from_dicts(old)}
+    out = []
+    for raw, site in zip(new, from_dicts(new)):
+        was = before.get(site.key)
+        if was is not None and abs(site.mib - was.mib) <= max(1.0, 0.02 * was.mib):
+            out.append({**raw, "mib": round(was.mib, 1), "count": was.count})
+        else:
+            out.append(dict(raw))
+    return out
