@@ -563,3 +563,89 @@ def test_platform_key(store: BaselineStore) -> None:
             platform_key(*args)
     store.update(TEST, cpu, {1: entry(1, 1)})
     assert store.platforms(TEST) == [cpu]
+
+
+# --- Schema 2: host figures by architecture, allocator figures, sites ---------------------------------
+
+LEGACY = "cpu:AMD EPYC"
+
+
+def test_a_schema_1_file_keyed_by_cpu_model_is_found_on_any_cpu_of_its_architecture(store: BaselineStore) -> None:
+    """A baseline recorded on an AMD EPYC gates an Intel Xeon CI runner: no silent 'not compared'."""
+    file = store.file_for(TEST)
+    file.parent.mkdir(parents=True)
+    old = baseline._to_json(entry(301.9, provenance={"platform": "Linux-x86_64", "date": "2026-11-30"}))
+    arm = baseline._to_json(entry(290.0, provenance={"platform": "Linux-aarch64"}))
+    file.write_text(json.dumps({"schema": 1, "tests": {"test_a[2]": {LEGACY: {"2": old}, "cpu:Neoverse": {"2": arm}}}}))
+    hit = store.find(TEST, "cpu:x86_64", 2)
+    assert hit is not None and hit[1] == LEGACY and hit[0].gated_mib == 301.9
+    assert store.find(TEST, "cpu:aarch64", 2)[1] == "cpu:Neoverse"  # type: ignore[index]
+    assert store.find(TEST, "cpu:x86_64", 1) is None and store.find(TEST, GPU, 2) is None
+    assert store.lookup(TEST, "cpu:x86_64", 2) is None  # lookup stays exact
+
+
+def test_a_refresh_files_the_entry_under_the_architecture_and_retires_the_old_key(store: BaselineStore) -> None:
+    file = store.file_for(TEST)
+    file.parent.mkdir(parents=True)
+    keep = baseline._to_json(entry(100.0, world_size=4, provenance={"platform": "Linux-x86_64"}))
+    old = baseline._to_json(entry(301.9, provenance={"platform": "Linux-x86_64"}))
+    other = {"test_b": {GPU: {"8": baseline._to_json(entry(9000.0, world_size=8, device="gpu"))}}}
+    file.write_text(json.dumps({"schema": 1, "tests": {"test_a[2]": {LEGACY: {"2": old, "4": keep}}, **other}}))
+    changes = store.update(TEST, "cpu:x86_64", {2: entry(296.4, provenance={"platform": "Linux-x86_64"})})
+    assert changes[2][0] is not None and changes[2][0].gated_mib == 301.9  # old -> new is shown
+    doc = json.loads(file.read_text())
+    assert doc["schema"] == SCHEMA_VERSION == 2
+    assert doc["tests"]["test_a[2]"] == {"cpu:x86_64": {"2": baseline._to_json(
+        entry(296.4, provenance={"platform": "Linux-x86_64"}))}, LEGACY: {"4": keep}}
+    assert doc["tests"]["test_b"] == other["test_b"]  # no other byte of meaning lost
+
+
+def test_gpu_entries_keep_the_allocator_figure_and_sites(store: BaselineStore) -> None:
+    sites = ({"where": "t.py:9", "function": "step", "detail": "", "mib": 256.0, "count": 2, "internal": False},)
+    gpu_entry = Entry(14370.0, {0: 14370.0}, 0, "gpu", "per-pid sampled", {}, 7765.06, 12876.0, sites)
+    store.update(TEST, GPU, {1: gpu_entry})
+    got = found(store, TEST, GPU, 1)
+    assert (got.allocated_mib, got.reserved_mib, got.sites) == (7765.1, 12876.0, sites)
+    text = store.file_for(TEST).read_text()
+    assert '"allocated_mib": 7765.1' in text and '"where": "t.py:9"' in text
+
+
+def test_a_merge_decides_what_replaces_a_stored_entry(store: BaselineStore) -> None:
+    store.update(TEST, CPU, {2: entry(500.0)})
+    seen = []
+
+    def merge(old: Entry, new: Entry) -> Entry:
+        seen.append((old.gated_mib, new.gated_mib))
+        return new if new.gated_mib > old.gated_mib + 10 else old
+
+    store.update(TEST, CPU, {2: entry(505.0)}, merge=merge)
+    assert seen == [(500.0, 505.0)] and found(store, TEST, CPU, 2).gated_mib == 500.0
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"allocated_mib": -1}, ".allocated_mib: got -1; expected a finite number of MiB, 0 <= value < 2**40"),
+    ({"sites": {}}, ".sites: got an object; expected a list of sites"),
+    ({"sites": [{"where": "t.py:1"}]},
+     ".sites[0].function: missing; expected all of where, function, detail, mib, count, internal"),
+    ({"sites": [{"where": 1, "function": "", "detail": "", "mib": 1.0, "count": 1, "internal": False}]},
+     ".sites[0].where: got 1; expected a string"),
+    ({"sites": [{"where": "a", "function": "", "detail": "", "mib": 1.0, "count": -1, "internal": False}]},
+     ".sites[0].count: got -1; expected an integer >= 0"),
+])
+def test_bad_schema_2_fields_are_named(store: BaselineStore, bad: dict, field: str) -> None:
+    file = store.file_for(TEST)
+    file.parent.mkdir(parents=True)
+    raw = {**baseline._to_json(entry()), **bad}
+    file.write_text(json.dumps({"schema": 2, "tests": {"test_a[2]": {CPU: {"2": raw}}}}))
+    with pytest.raises(BaselineError) as info:
+        store.lookup(TEST, CPU, 2)
+    assert str(info.value) == f"{file}: tests['test_a[2]'][{CPU!r}]['2']{field}"
+
+
+def test_host_platform_keys_name_the_architecture() -> None:
+    import platform
+
+    assert platform_key("cpu") == f"cpu:{platform.machine()}"
+    assert baseline.architecture(platform_key("cpu")) == platform.machine()
+    assert baseline.architecture(LEGACY) is None and baseline.architecture(GPU) is None
+    assert "cpu_model" in host_provenance({})

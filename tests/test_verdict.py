@@ -1,5 +1,7 @@
 """Verdicts say the limit, the measured value, the unit, the rank and the world size."""
 
+import pytest
+
 from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
 from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
 from pytest_gpumem.sampling import Peak
@@ -56,3 +58,77 @@ def test_baseline_exceeded_and_improvement_noted():
     assert "baseline 1000.0 MiB + tolerance 5% = 1050.0 MiB" in str(bad.failures[0])
     better = judge(s, [result(2, 800, 800)], {2: BaselineRef(1000, tol)})
     assert better.passed and "refresh the baseline" in better.notes[0]
+
+
+def gpu(n, device_mibs, allocated_mibs, reserved=None):
+    """A GPU size: NVML's per-process figure per rank beside torch's allocator figure."""
+    from pytest_gpumem.sampling import AllocatedPeak
+
+    return SizeResult(world_size=n, device="gpu",
+                      peaks={r: Peak(m, "per-pid sampled") for r, m in enumerate(device_mibs)},
+                      allocated={r: AllocatedPeak(a, reserved, "torch") for r, a in enumerate(allocated_mibs)})
+
+
+def test_each_limit_reads_its_own_figure_by_default():
+    """max_mib reads what nvidia-smi shows; the ratio and the baseline read the allocator's tensors."""
+    s = spec(nproc=[1, 2], max_mib=14000, max_ratio=1.0)
+    v = judge(s, [gpu(1, [14370.0], [7765.06]), gpu(2, [9096.0, 9000.0], [5327.71, 5327.71])])
+    by_kind = {c.kind: c for c in v.checks}  # the last check of each kind: nproc=2
+    first = v.checks[0]
+    assert first.kind == "max_mib" and first.figure == "device" and first.measured_mib == 14370.0
+    assert not first.ok  # the device figure is what runs out
+    ratio = by_kind["max_ratio"]
+    assert ratio.figure == "allocated" and ratio.measured_mib == 5327.71 and ratio.ok
+    assert str(ratio) == ("rank 0 at nproc=2 (gpu, allocated): peak 5327.7 MiB <= 1.00 x 7765.1 MiB (nproc=1) "
+                          "+ 0 MiB = 7765.1 MiB (ratio 0.69x)")
+    assert v.ratio(2) == pytest.approx(5327.71 / 7765.06)
+
+
+def test_a_test_chooses_the_figure_a_limit_reads():
+    s = spec(nproc=[1, 2], max_ratio=1.0, figures={"max_ratio": "device", "max_mib": "allocated"}, max_mib=7000)
+    v = judge(s, [gpu(1, [3190.0], [2000.0]), gpu(2, [3476.0, 3476.0], [2000.0, 2000.0])])
+    ratio = next(c for c in v.checks if c.kind == "max_ratio")
+    assert ratio.figure == "device" and not ratio.ok  # the communicator's buffers: +286 MiB
+    assert all(c.ok for c in v.checks if c.kind == "max_mib")
+
+
+def test_without_an_allocator_figure_every_limit_reads_the_device_figure():
+    """OneFlow 0.9 has no allocator statistics: its GPU tests are judged on what nvidia-smi shows."""
+    s = spec(nproc=[1, 2], max_ratio=1.2)
+    v = judge(s, [result(1, 5734), result(2, 9000, 9000)])
+    ratio = next(c for c in v.checks if c.kind == "max_ratio")
+    assert ratio.figure == "device" and not ratio.ok
+
+
+def test_the_ratio_reads_one_figure_on_both_sides():
+    s = spec(nproc=[1, 2], max_ratio=1.5)
+    v = judge(s, [result(1, 1000), gpu(2, [1400.0, 1400.0], [200.0, 200.0])])  # nproc=1 reported none
+    ratio = next(c for c in v.checks if c.kind == "max_ratio")
+    assert ratio.figure == "device" and ratio.measured_mib == 1400.0
+
+
+def test_a_gpu_baseline_is_judged_on_both_figures_each_at_its_tolerance():
+    s = spec(nproc=1)
+    ref = {1: BaselineRef(14370.0, Tolerance(percent=5.0, mib=32.0), 7765.06, Tolerance(percent=0.5, mib=16.0))}
+    rerun = judge(s, [gpu(1, [13982.0], [7765.06])], ref)  # the cache moved 388 MiB, the tensors did not
+    assert rerun.passed and not rerun.notes
+    grown = judge(s, [gpu(1, [14176.0], [7765.06 + 140.0])], ref)  # one extra 1% tensor
+    assert [c.figure for c in grown.failures] == ["allocated"]
+    assert str(grown.failures[0]) == ("rank 0 at nproc=1 (gpu, allocated): peak 7905.1 MiB > baseline 7765.1 MiB + "
+                                      "tolerance 0.5%+16MiB = 7803.9 MiB")
+    device_only = judge(spec(nproc=1, figures={"baseline": "device"}), [gpu(1, [14176.0], [7905.0])], ref)
+    assert device_only.passed
+
+
+def test_a_prediction_that_could_not_be_validated_shows_but_never_fails():
+    from pytest_gpumem.judging.predict import predict
+
+    s = spec(nproc=[1, 2, 8], max_mib=4250)
+    two = predict([(1, 3190.0), (2, 3476.0)], 8)  # a line through two points: no LOO error
+    v = judge(s, [result(1, 3190), result(2, 3476, 3476), SizeResult(8, "gpu", {}, prediction=two)])
+    assert v.passed and [c.world_size for c in v.advisories] == [8]
+    assert "predicted, not validated (shown, not failing" in v.render()
+    three = predict([(1, 3190.0), (2, 3476.0), (4, 4048.0)], 8)
+    v = judge(s, [result(1, 3190), result(2, 3476, 3476), result(4, *[4048] * 4),
+                  SizeResult(8, "gpu", {}, prediction=three)])
+    assert not v.passed and [c.world_size for c in v.failures] == [8]
