@@ -295,3 +295,17 @@ def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
     assert kinds[("t/p.py::test_grows", 8)] == "predicted on one side"
     assert kinds[("t/p.py::test_grows", 4)] == "unchanged"
     assert outputs.compare([predicted], [predicted]).rows[-1].kind == "unchanged"  # fit against fit
+
+
+def test_on_a_gpu_the_part_above_the_floor_is_fitted_and_the_floor_added_back():
+    """2 GPUs, a healthy NCCL DDP job (H200: 3190 -> 3476 MiB; empty job 612 -> 1452): a line through
+    the raw figures carries the communicator's step on to 8 ranks (5192 MiB, 1.63x); above the floor
+    the job's own part shrinks from 1 to 2 (cache noise), so the job is predicted at 0 plus the floor."""
+    raw = predict([(1, 3190.0), (2, 3476.0)], 8)
+    assert round(raw.mib) == 5192 and not raw.validated
+    above = predict([(1, 3190.0), (2, 3476.0)], 8, floors={1: 612.0, 2: 1452.0})
+    assert above.floor_mib == 1452.0 and above.floor_size == 2 and round(above.mib) == 1452
+    assert "plus the floor measured at nproc=2 (1452 MiB" in above.describe()
+    assert above.as_dict()["floor_mib"] == 1452.0
+    three = predict([(1, 3190.0), (2, 3476.0), (4, 3500.0)], 8, floors={1: 612.0, 2: 1452.0, 4: 1460.0})
+    assert three.validated and three.floor_size == 4

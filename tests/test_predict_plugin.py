@@ -93,3 +93,48 @@ def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_t
     one = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "1", "-rs", "-p", "no:cacheprovider")
     one.assert_outcomes(skipped=2)
     one.stdout.fnmatch_lines(["*predicting needs at least two launched sizes, and only nproc 1 fits*"])
+
+
+TWO_SIZES = '''
+import os
+import pytest
+
+MiB = 1024 * 1024
+
+
+def hold(inflating):
+    world = int(os.environ["WORLD_SIZE"])
+    block = bytearray(40 * MiB * (world if inflating else 1))  # the bug: every rank holds the world's data
+    return len(block)
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], max_ratio=1.0, allow_mib=60)
+def test_healthy():
+    hold(False)
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], max_ratio=1.0, allow_mib=60)
+def test_inflating():
+    hold(True)
+'''
+
+
+def test_from_two_launched_sizes_a_prediction_is_shown_and_never_fails(pytester, launch_tag, tmp_path):
+    """A 2-GPU runner asked for nproc=[1, 2, 8]: a line through 1 and 2 cannot be validated (leave-one-out
+    needs three sizes), so at 8 it is shown, labelled, and fails nothing; at 2 the gate is measured."""
+    pytester.makepyfile(TWO_SIZES)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "2", "--gpumem-report", str(report),
+                                "-p", "no:cacheprovider", "-W", "default")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "*predicted, not validated: would exceed: rank 0 at nproc=8 (cpu, predicted by a + b*N from nproc 1,2; "
+        "LOO error n/a: two sizes): peak * MiB > 1.00 x * MiB (nproc=1) + 60 MiB = * MiB*"])
+    rows = [line for line in result.stdout.lines if "::test_" in line and line.split()[1:2] == ["8"]]
+    assert len(rows) == 2 and all("predicted, not validated" in row for row in rows), rows
+    records = {r["test"].rsplit("::", 1)[1]: r for r in json.loads(report.read_text())["tests"]}
+    at8 = next(s for s in records["test_inflating"]["sizes"] if s["nproc"] == 8)
+    ratio = next(c for c in at8["checks"] if c["kind"] == "max_ratio")
+    assert ratio["advisory"] and not ratio["ok"] and not at8["failed"]
+    healthy8 = next(s for s in records["test_healthy"]["sizes"] if s["nproc"] == 8)
+    assert all(c["ok"] for c in healthy8["checks"])

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 TIE = 0.005  # 0.5 percentage points of LOO error: below that, the simpler model is as good
 REGIME_GAP = 0.05  # a fit over every size that misses a held-out one by more: is nproc=1 another regime?
@@ -134,12 +134,26 @@ class Prediction:
     mib: float
     fit: Fit
     rank_label: str = "rank 0"
+    floor_mib: float | None = None  # set: the fit is of the job's part, and this floor was added
+    floor_size: int | None = None  # the launched size whose floor stands for the predicted one's
+
+    @property
+    def validated(self) -> bool:
+        """Judged on sizes it did not see (leave-one-out: three launched sizes at least)."""
+        return self.fit.loo_error is not None
 
     def describe(self) -> str:
-        return f"predicted by {self.fit.describe()}"
+        text = f"predicted by {self.fit.describe()}"
+        if self.floor_mib is not None:
+            text += (f"; fitted above the floor, plus the floor measured at nproc={self.floor_size} "
+                     f"({self.floor_mib:.0f} MiB: the communicator's own growth past it not measured)")
+        return text
 
     def as_dict(self) -> dict:
-        return {"mib": round(self.mib, 3), "rank": self.rank_label, "basis": self.describe(), **self.fit.as_dict()}
+        out = {"mib": round(self.mib, 3), "rank": self.rank_label, "basis": self.describe(), **self.fit.as_dict()}
+        if self.floor_mib is not None:
+            out.update(floor_mib=round(self.floor_mib, 3), floor_size=self.floor_size)
+        return out
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
@@ -256,7 +270,21 @@ def _fit(pts: tuple[tuple[int, float], ...], models: Sequence[Model]) -> Fit:
     return Fit(chosen.model, coefficients, pts, chosen.loo_error, tuple(candidates))
 
 
-def predict(points: Iterable[tuple[int, float]], world_size: int, rank_label: str = "rank 0") -> Prediction:
-    """The peak at ``world_size`` from the fitted model."""
+def predict(points: Iterable[tuple[int, float]], world_size: int, rank_label: str = "rank 0",
+            floors: Mapping[int, float] | None = None) -> Prediction:
+    """The peak at ``world_size`` from the fitted model.
+
+    With ``floors`` (an empty job's figure at each launched size: the CUDA context, the framework's
+    start-up, from 2 ranks the communicator), the part above the floor is what is fitted: on a GPU
+    the step from 1 to 2 ranks is mostly the communicator (612 -> 1452 MiB), which a line through
+    1 and 2 would carry on to every size. The floor at the predicted size is taken as the one of
+    the largest launched size, and the prediction says so.
+    """
+    points = list(points)
+    if floors and points and all(n in floors for n, _ in points):
+        chosen = fit([(n, mib - floors[n]) for n, mib in points])
+        top = max(n for n, _ in points)
+        job = max(chosen.at(world_size), 0.0)  # a job's own part is never below nothing
+        return Prediction(world_size, job + floors[top], chosen, rank_label, floors[top], top)
     chosen = fit(points)
     return Prediction(world_size, chosen.at(world_size), chosen, rank_label)

@@ -135,6 +135,11 @@ class SizeRecord:
         return self.prediction is not None
 
     @property
+    def validated(self) -> bool:
+        """A measurement, or a prediction whose model was judged on sizes it did not see."""
+        return self.prediction is None or self.prediction.get("loo_error") is not None
+
+    @property
     def gated_method(self) -> str | None:
         """How the gated figure was measured (``per-pid sampled``, ``live allocations (memray)``, ...)."""
         peak = self.ranks.get(self.gated_rank) if self.gated_rank is not None else None

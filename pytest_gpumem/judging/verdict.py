@@ -60,7 +60,7 @@ class SizeResult:
     @property
     def validated(self) -> bool:
         """Whether a predicted figure can gate: its model was judged on sizes it did not see (LOO)."""
-        return self.prediction is None or self.prediction.fit.loo_error is not None
+        return self.prediction is None or self.prediction.validated
 
     def read(self, rank: int | str, figure: str) -> tuple[str, float | None, str]:
         """(label of the gated rank, its MiB, the figure read) for a limit that reads ``figure``.

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..config.spec import Spec
 from ..judging.predict import PredictError, predict
-from ..judging.verdict import SizeResult
+from ..judging.verdict import ALLOCATED, DEVICE, HOST, SizeResult
 from .runner import Runner, TestRun
 
 
@@ -67,13 +67,22 @@ def plan(spec: Spec, capacity: Capacity) -> Plan:
     return Plan(replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap)), above)
 
 
-def _gated_points(test: TestRun, spec: Spec) -> list[tuple[int, float]]:
-    points = []
+def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
+    """The gated rank's figure at each launched size, and the floor under it where one was measured
+    (the allocator figure has none: no context, no communicator)."""
+    points, floors = [], {}
     for result in test.results:
-        _, mib = result.gated(spec.rank)
-        if mib is not None and not result.predicted:
-            points.append((result.world_size, mib))
-    return points
+        if result.predicted:
+            continue
+        _, mib, read = result.read(spec.rank, figure)
+        if mib is None or read != figure:
+            return [], {}
+        points.append((result.world_size, mib))
+        rank = result.gated_rank(spec.rank)
+        floor = result.floor.ranks.get(0 if rank is None else rank) if result.floor is not None else None
+        if floor is not None and figure != ALLOCATED:
+            floors[result.world_size] = floor
+    return points, floors
 
 
 def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
@@ -88,11 +97,15 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
     label = "largest rank" if spec.rank == "all" else f"rank {spec.rank}"
     launched = [r for r in test.results if not r.predicted]
     device, platform = launched[-1].device, launched[-1].platform
+    main = DEVICE if device == "gpu" else HOST
     try:
         for n in chosen.predicted:
-            prediction = predict(_gated_points(test, spec), n, label)
-            test.predicted.append(SizeResult(world_size=n, device=device, peaks={}, platform=platform,
-                                             prediction=prediction))
+            points, floors = _points(test, spec, main)
+            prediction = predict(points, n, label, floors)
+            allocated, _ = _points(test, spec, ALLOCATED) if device == "gpu" else ([], {})
+            test.predicted.append(SizeResult(
+                world_size=n, device=device, peaks={}, platform=platform, prediction=prediction,
+                allocated_prediction=predict(allocated, n, label) if allocated else None))
     except PredictError as exc:
         test.predicted.clear()
         if all(r.gated(spec.rank)[1] is not None for r in launched):  # else the verdict fails on it

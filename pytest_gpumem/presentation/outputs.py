@@ -92,7 +92,8 @@ def _md_rows(record: TestRecord) -> list[str]:
         verdict = record.size_verdict(size)
         peak = _mib(size.gated_mib)
         if size.gated_mib is not None:
-            predicted = ", **predicted**" if size.predicted else ""
+            predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
+                         if size.predicted else "")
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x"
         nproc = f"{size.nproc}" + ("\\*" if size.reused else "")

@@ -20,7 +20,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         if not rec.sizes:
             rows.append((rec.test, ",".join(map(str, rec.nproc)), "-", "-", "-", "-", "-", rec.status))
         for size in rec.sizes:
-            predicted = ", predicted" if size.predicted else ""
+            predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             rows.append((
                 rec.test,
                 str(size.nproc) + ("*" if size.reused else ""),
