@@ -190,12 +190,18 @@ def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
     entry = stored.get(size)
     one = by_size.get(1)
     if "baseline" in kinds and entry is not None and entry.sites:
-        return growth_mod.compare(from_dicts(entry.sites), new, "the baseline", old_complete=False)
+        return _against_baseline(entry, new)
     if size > 1 and one is not None and one.sites.get(0):
         return growth_mod.compare(one.sites[0], new, "nproc=1")
     if entry is not None and entry.sites:
-        return growth_mod.compare(from_dicts(entry.sites), new, "the baseline", old_complete=False)
+        return _against_baseline(entry, new)
     return None
+
+
+def _against_baseline(entry: Entry, new: tuple) -> growth_mod.Growth:
+    old = from_dicts(entry.sites)
+    complete = sum(not s.internal for s in old) < growth_mod.STORED  # else smaller sites were cut
+    return growth_mod.compare(old, new, "the baseline", old_complete=complete)
 
 
 def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],

@@ -107,7 +107,8 @@ class SizeRecord:
     gated_mib: float | None
     ranks: Mapping[int, RankPeak] = field(default_factory=dict)
     checks: tuple[CheckRecord, ...] = ()
-    ratio: float | None = None  # gated figure over the nproc=1 one
+    ratio: float | None = None  # the ratio limit's figure over its nproc=1 value
+    ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
     baseline_mib: float | None = None
     others_max_mib: float | None = None
     host_ranks: Mapping[int, float] = field(default_factory=dict)  # beside a GPU figure
@@ -249,6 +250,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
                     "text": c.text, "figure": c.figure, "advisory": c.advisory} for c in s.checks],
         "failed": s.failed,  # derived from the checks; kept for readers of schema 1
         "ratio": s.ratio,
+        "ratio_figure": s.ratio_figure,
         "baseline_mib": s.baseline_mib,
         "others_max_mib": s.others_max_mib,
         "host_ranks": _keyed(s.host_ranks),
@@ -437,6 +439,7 @@ class _Reader:
         return SizeRecord(
             nproc=nproc, device=self.text(raw, "device", where, ""), gated_rank=gated_rank, gated_label=label,
             gated_mib=gated_mib, ranks=ranks, checks=checks, ratio=self.number(raw, "ratio", where),
+            ratio_figure=self.text(raw, "ratio_figure", where, ""),
             baseline_mib=self.number(raw, "baseline_mib", where),
             others_max_mib=self.number(raw, "others_max_mib", where),
             host_ranks=self.per_rank(raw, "host_ranks", where, self._optional_mib),
@@ -620,6 +623,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
             ranks={r: RankPeak(p.mib, p.method) for r, p in sorted(result.peaks.items())},
             checks=tuple(checks.get(n, ())),
             ratio=verdict.ratio(n) if verdict is not None else None,
+            ratio_figure=_ratio_figure(test.results, result, spec) if verdict is not None else "",
             baseline_mib=(baselines or {}).get(n),
             others_max_mib=result.others_max(spec.rank),
             host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items()) if p.mib is not None},
@@ -661,6 +665,15 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
         grown_against=growth.against if growth is not None else "",
         sites_summary=growth.summary() if growth is not None else "",
     )
+
+
+def _ratio_figure(results: Sequence[SizeResult], result: SizeResult, spec: Spec) -> str:
+    from .verdict import ratio_figures
+
+    one = next((r for r in results if r.world_size == 1), None)
+    if one is None or result.world_size == 1:
+        return ""
+    return ratio_figures(spec, one, result)[2]
 
 
 def _allocated_reading(result: SizeResult, spec: Spec) -> float | None:

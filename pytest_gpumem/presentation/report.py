@@ -26,7 +26,8 @@ def table(records: Iterable[TestRecord]) -> list[str]:
                 str(size.nproc) + ("*" if size.reused else ""),
                 f"{_mib(size.gated_mib)} ({size.gated_label}{predicted})",
                 _mib(size.others_max_mib),
-                "-" if size.ratio is None else f"{size.ratio:.2f}x",
+                "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
+                                                                       else ""),
                 _mib(size.baseline_mib),
                 size.device,
                 rec.size_verdict(size),
@@ -40,6 +41,9 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     out.extend(line(row) for row in rows)
     if any(size.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
+    if any(size.ratio_figure == "allocated" for rec in records for size in rec.sizes):
+        out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
+                   "which the ratio limit reads; the peak column is what nvidia-smi shows")
     out.extend(predicted_lines(records))
     return out
 
