@@ -341,21 +341,3 @@ def test_diff_as_a_command(reports):
     assert regressed.returncode == 1 and "1 regression" in regressed.stdout
     broken = run(reports["schema"], reports["real"])
     assert broken.returncode == 2 and "schema.json: schema: expected 1, 2 or 3" in broken.stderr
-
-
-@pytest.mark.parametrize("device, method, why", [
-    ("cpu", "live allocations (memray)", "tracked in the rank; the curves are resident memory"),
-    ("gpu", "per-pid sampled", "exact peak; the curves are samples and can miss it"),
-])
-def test_plot_legend_says_why_the_gated_line_is_off_the_curves(tmp_path, device, method, why):
-    """The gated peak is measured another way than the sampled curves: the legend says so."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
-    one = size(1, 300.0, device=device, method=method)
-    ax = Figure().subplots()
-    plots._draw_size(ax, rec("t::legend", "pass", one), one)
-    labels = [text.get_text() for text in ax.get_legend().get_texts()]
-    assert f"gated peak 300 ({method}: {why})" in labels
-    curve = "RSS, sampled" if device == "cpu" else "sampled"
-    assert any(label.startswith(f"rank 0 ({curve}") for label in labels), labels

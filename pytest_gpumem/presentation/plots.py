@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..judging.record import SizeRecord, TestRecord
-from ..sampling.allocations import is_allocation_method
 
 INSTALL_HINT = "plots need matplotlib: pip install 'pytest-gpumem[plots]'"
 
@@ -45,10 +44,10 @@ def plot_filename(test_id: str) -> str:
     return f"{stem}-{digest}.png"
 
 
-def _series(size: SizeRecord) -> dict[int, tuple[list[float], list[float]]]:
-    """Per rank: (seconds, MiB) from the record's timeline."""
+def _series(timeline: tuple[tuple[float, Any], ...]) -> dict[int, tuple[list[float], list[float]]]:
+    """Per rank: (seconds, MiB) from a record's timeline."""
     series: dict[int, tuple[list[float], list[float]]] = {}
-    for t, point in size.timeline:
+    for t, point in timeline:
         for rank, mib in point.items():
             xs, ys = series.setdefault(rank, ([], []))
             xs.append(t)
@@ -63,25 +62,36 @@ _LIMIT_STYLE = {
 }
 
 
-def _limit_label(record: TestRecord, kind: str, limit: float) -> str:
+_FIGURE_NAME = {"device": "device figure", "allocated": "allocated", "host": "live allocations"}
+
+
+def _limit_label(record: TestRecord, kind: str, limit: float, figure: str) -> str:
     limits = record.limits
+    of = f" [{_FIGURE_NAME[figure]}]" if figure in _FIGURE_NAME else ""
     if kind == "max_mib":
-        return f"max_mib {limit:.0f}"
+        return f"max_mib {limit:.0f}{of}"
     if kind == "max_ratio":
-        return f"ratio limit {limits.max_ratio:.2f} x nproc=1 + {limits.allow_mib:.0f} = {limit:.0f}"
-    return f"baseline + {limits.tolerance} = {limit:.0f}"
+        return f"ratio limit {limits.max_ratio:.2f} x nproc=1 + {limits.allow_mib:.0f} = {limit:.0f}{of}"
+    return f"baseline + tolerance = {limit:.0f}{of}"
 
 
 def _limits(record: TestRecord, size: SizeRecord) -> list[tuple[float, str, dict[str, Any]]]:
-    """(MiB, label, line style) for every limit this size was judged by, as the gate computed it."""
+    """(MiB, label, line style) for every limit this size was judged by, as the gate computed it,
+    each naming the figure it reads (the curve to compare it with)."""
     lines: list[tuple[float, str, dict[str, Any]]] = []
-    if size.baseline_mib is not None:
-        lines.append((size.baseline_mib, f"baseline {size.baseline_mib:.0f}",
-                      {"color": "0.35", "linestyle": ":", "linewidth": 1.2}))
+    stored = [(size.baseline_mib, "device" if size.device == "gpu" else "host"),
+              (size.allocated_baseline_mib, "allocated")]
+    for mib, figure in stored:
+        if mib is not None:
+            lines.append((mib, f"baseline {mib:.0f} [{_FIGURE_NAME[figure]}]",
+                          {"color": "0.35" if figure != "allocated" else "mediumpurple", "linestyle": ":",
+                           "linewidth": 1.2}))
     for check in size.limits():
         assert check.limit_mib is not None
-        style = _LIMIT_STYLE.get(check.kind, {"color": "0.5", "linestyle": "-."})
-        lines.append((check.limit_mib, _limit_label(record, check.kind, check.limit_mib), style))
+        style = dict(_LIMIT_STYLE.get(check.kind, {"color": "0.5", "linestyle": "-."}))
+        if check.figure == "allocated":
+            style["color"] = "tab:purple" if check.kind != "baseline" else "mediumpurple"
+        lines.append((check.limit_mib, _limit_label(record, check.kind, check.limit_mib, check.figure), style))
     return lines
 
 
@@ -133,43 +143,70 @@ def _draw_predicted(ax: Any, record: TestRecord, size: SizeRecord) -> None:
         ax.legend(fontsize=7, loc="lower right", ncol=2)
 
 
-def _gated_label(size: SizeRecord) -> str:
-    """Why the gated line need not touch the curves: it is measured another way than they are."""
-    method = size.gated_method or "method unknown"
-    if is_allocation_method(method):
-        why = "tracked in the rank; the curves are resident memory"
-    else:
-        why = "exact peak; the curves are samples and can miss it"
-    return f"gated peak {size.gated_mib or 0:.0f} ({method}: {why})"
+def _readers(size: SizeRecord, figure: str) -> list[str]:
+    """The limits that read ``figure`` at this size: what makes a curve the gated one."""
+    return sorted({c.kind.replace("max_ratio", "ratio") for c in size.checks
+                   if c.figure == figure and c.limit_mib is not None})
+
+
+def _curves(size: SizeRecord) -> list[tuple[str, str, dict[int, tuple[list[float], list[float]]], float | None]]:
+    """(figure, what it is, per-rank samples, the figure's reported peak of the gated rank).
+
+    On the host the gated curve is the live heap (memray's snapshots), resident memory beside it
+    is not gated; on a GPU the device figure is NVML's samples and the allocator figure the
+    allocator's history replayed. Older records without a live curve draw what they have.
+    """
+    if size.device == "gpu":
+        curves = [("device", "what nvidia-smi shows, sampled", _series(size.timeline), size.gated_mib)]
+        if size.live_timeline:
+            curves.append(("allocated", "torch allocated, from its history", _series(size.live_timeline),
+                           size.allocated_mib))
+        return curves
+    curves = []
+    if size.live_timeline:
+        curves.append(("host", "live allocations", _series(size.live_timeline), size.gated_mib))
+    curves.append(("rss", "resident (RSS), not gated", _series(size.timeline), None))
+    return curves
 
 
 def _draw_size(ax: Any, record: TestRecord, size: SizeRecord) -> None:
     if size.predicted:
         _draw_predicted(ax, record, size)
         return
-    series = _series(size)
-    for i, (rank, (xs, ys)) in enumerate(series.items()):
-        is_gated = rank == size.gated_rank
-        # Ranks in blues and greens: red, orange and grey stay free for the limits.
-        color = _rank_color(i, len(series))
-        curve = "RSS, sampled" if size.device == "cpu" else "sampled"
-        ax.plot(xs, ys, label=f"rank {rank} ({curve}" + (", gated)" if is_gated else ")"), color=color,
-                linewidth=1.8 if is_gated else 0.9, zorder=3 if is_gated else 2)
-    if not series:
+    drawn = False
+    for figure, what, series, peak in _curves(size):
+        readers = _readers(size, figure) if figure != "rss" else []
+        gated = f"gated: {', '.join(readers)}" if readers else ("not gated" if figure == "rss" else "")
+        for i, (rank, (xs, ys)) in enumerate(series.items()):
+            is_gated_rank = rank == size.gated_rank
+            if figure == "rss":  # information, drawn under the rest
+                ax.plot(xs, ys, color="0.7", linewidth=0.8, linestyle="--", zorder=1,
+                        label=f"rank {rank} {what}" if i == 0 or is_gated_rank else None)
+                drawn = True
+                continue
+            color = _rank_color(i, len(series)) if figure != "allocated" else "tab:purple"
+            label = f"rank {rank} {what}" + (f" ({gated})" if gated and is_gated_rank else "")
+            ax.plot(xs, ys, label=label, color=color, linewidth=1.8 if is_gated_rank else 0.9,
+                    zorder=3 if is_gated_rank else 2, linestyle="-" if figure != "allocated" else "-.")
+            drawn = True
+            if is_gated_rank and peak is not None and ys:
+                at = xs[max(range(len(ys)), key=ys.__getitem__)]
+                ax.plot([at], [peak], marker="v", color="black", markersize=7, linestyle="none", zorder=4,
+                        label=f"peak {peak:.1f} MiB ({_FIGURE_NAME.get(figure, figure)}, rank {rank})")
+    if not drawn:
         ax.text(0.5, 0.5, "no samples recorded", transform=ax.transAxes, ha="center", va="center", color="0.4")
-    if size.gated_mib is not None:
-        ax.axhline(size.gated_mib, color="black", linewidth=0.6, alpha=0.6, label=_gated_label(size))
     for mib, label, style in _limits(record, size):
         ax.axhline(mib, label=label, **style)
     ax.set_title(_size_title(record, size), fontsize=9, loc="left")
     ax.set_ylabel("MiB")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="lower right", ncol=2)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
 
 
-def plot(record: TestRecord, path: Path) -> None:
-    """Write a PNG of every rank's memory over time, one panel per world size, limits drawn in."""
+def plot(record: TestRecord, path: Path) -> Any:
+    """Write a PNG of every rank's memory over time, one panel per world size, limits drawn in;
+    returns the figure (its lines are the data a test can check)."""
     Figure, FigureCanvasAgg = _matplotlib()
     sizes = list(record.sizes)
     panels = max(1, len(sizes))
@@ -188,6 +225,7 @@ def plot(record: TestRecord, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
+    return fig
 
 
 def plot_all(records: Iterable[TestRecord], directory: Path) -> list[Path]:
