@@ -341,3 +341,35 @@ def test_diff_as_a_command(reports):
     assert regressed.returncode == 1 and "1 regression" in regressed.stdout
     broken = run(reports["schema"], reports["real"])
     assert broken.returncode == 2 and "schema.json: schema: expected 1, 2 or 3" in broken.stderr
+
+
+# ---------------------------------------------------------------------------------------------- peak sites
+
+
+def _site(where: str, mib: float, function: str = "train_step") -> dict:
+    return {"where": where, "function": function, "detail": "", "mib": mib, "count": 1, "internal": False}
+
+
+def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
+    from dataclasses import replace
+
+    from pytest_gpumem.judging.record import SiteChange
+
+    old_size = replace(size(2, 300.0), sites={0: (_site("examples/a.py:40", 128.0),)})
+    new_size = replace(size(2, 700.0), sites={0: (_site("examples/a.py:40", 128.0), _site("examples/a.py:57", 256.0),
+                                                  _site("examples/a.py:60", 100.0), _site("examples/a.py:61", 20.0),
+                                                  _site("examples/a.py:62", 10.0))})
+    grown = tuple(SiteChange(f"examples/a.py:{line} train_step", 0.0, mib) for line, mib in
+                  ((57, 256.0), (60, 100.0), (61, 20.0), (62, 10.0)))
+    failing = replace(rec("t/a.py::test_x", "FAIL", new_size, messages=["over"]), grown_sites=grown,
+                      grown_against="nproc=1")
+    text = outputs.markdown([failing])
+    assert ("  - peak sites that grew since nproc=1: `+256.0 MiB  examples/a.py:57 train_step  (new)`, "
+            "`+100.0 MiB  examples/a.py:60 train_step  (new)`, `+20.0 MiB  examples/a.py:61 train_step  (new)`") in text
+    assert "a.py:62" not in text
+    diff = outputs.compare([rec("t/a.py::test_x", "pass", old_size)], [failing])
+    assert diff.regressions[0].sites[:2] == ("+256.0 MiB  examples/a.py:57 train_step  (new)",
+                                             "+100.0 MiB  examples/a.py:60 train_step  (new)")
+    table = outputs.diff_table(diff)
+    assert "t/a.py::test_x nproc=2: peak sites that grew" in table
+    assert "**Peak sites that grew**" in outputs.diff_markdown(diff)

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from ..config.spec import Tolerance, parse_tolerance
+from ..judging.growth import compare as compare_sites
 from ..judging.record import SizeRecord, TestRecord
 from ..judging.verdict import against_reference
+from ..sampling.sites import from_dicts
 
 COMMENT_LIMIT = 60_000  # a GitHub comment holds 65,536 characters; leave room for a header
 
@@ -115,6 +117,9 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
         if not messages and rec.status == "ERROR":
             messages = ["no measurement: see the test's output in the log"]
         lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
+        if rec.grown_sites:  # the line that holds the memory, top 3
+            lines.append(f"  - peak sites that grew since {rec.grown_against}: "
+                         + ", ".join(f"`{_cell(c.line())}`" for c in rec.grown_sites[:3]))
     return lines
 
 
@@ -253,6 +258,7 @@ class DiffRow:
     allowance_mib: float | None = None
     tolerance: str = ""
     device: str = ""
+    sites: tuple[str, ...] = ()  # a regression's peak sites that grew, largest first
 
     @property
     def change(self) -> tuple[float, float | None] | None:
@@ -303,7 +309,17 @@ def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
         return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
     tolerance = _tolerance_of(new_rec, override)
     kind, allowance = against_reference(new_mib, old_mib, tolerance)  # the baseline gate's own rule
-    return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device)
+    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
+    return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device, sites)
+
+
+def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
+    """The gated rank's peak sites that grew from the old report to the new one."""
+    before = old.sites.get(old.gated_rank) if old.gated_rank is not None else None
+    after = new.sites.get(new.gated_rank) if new.gated_rank is not None else None
+    if not before or not after:
+        return ()
+    return tuple(compare_sites(from_dicts(before), from_dicts(after), "old").lines())
 
 
 def compare(old: Iterable[TestRecord], new: Iterable[TestRecord],
@@ -342,6 +358,9 @@ def diff_table(diff: ReportDiff) -> list[str]:
         return "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()
 
     out = [line(_DIFF_HEADER), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    for row in diff.regressions:
+        if row.sites:
+            out += ["", f"{row.test} nproc={row.nproc}: peak sites that grew"] + [f"  {s}" for s in row.sites]
     return out + ["", f"gpumem diff: {diff.summary()}"]
 
 
@@ -359,4 +378,9 @@ def diff_markdown(diff: ReportDiff, old_label: str = "old", new_label: str = "ne
             if row.kind == "regression":
                 cells[-1] = "❌ REGRESSION"
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    grown = [row for row in diff.regressions if row.sites]
+    if grown:
+        lines += ["", "**Peak sites that grew**", ""]
+        lines += [f"- `{row.test}` nproc={row.nproc}: " + ", ".join(f"`{_cell(s)}`" for s in row.sites[:3])
+                  for row in grown]
     return "\n".join(lines) + "\n"
