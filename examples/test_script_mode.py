@@ -14,3 +14,11 @@ torch = pytest.importorskip("torch")
 def test_train_net_script():
     """examples/train_net.py (LiBai-style, torch DDP) keeps rank 0's peak flat from 1 to 2 ranks;
     the body is not run."""
+
+
+@pytest.mark.gpumem(nproc=[1, 2], script="examples/train_net.py",
+                    args=["--steps", "3", "--batch-size", "2048", "--gather-batch"], max_ratio=1.3)
+@pytest.mark.xfail(strict=True, reason="all-gathering the batch in train_net.py inflates per-rank memory: "
+                                       "the plugin must catch it and name the line")
+def test_train_net_script_inflated():
+    """The same entry point with --gather-batch: every rank trains on the global batch."""

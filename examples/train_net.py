@@ -24,7 +24,15 @@ def default_argument_parser():
                         help="Python file that may set features, hidden, classes, batch_size, lr")
     parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch size (overrides the config)")
+    parser.add_argument("--gather-batch", action="store_true",
+                        help="the bug of the inflating twin: every rank trains on the all-gathered global batch")
     return parser
+
+
+def gather(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts)
 
 
 def setup(args):
@@ -52,6 +60,8 @@ def main(args):
     for step in range(1, args.steps + 1):
         x = torch.randn(cfg["batch_size"], cfg["features"], generator=gen)
         y = torch.randint(0, cfg["classes"], (cfg["batch_size"],), generator=gen)
+        if args.gather_batch:  # the bug: each rank holds world_size x its share
+            x, y = gather(x), gather(y)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()  # DDP all-reduces the gradients

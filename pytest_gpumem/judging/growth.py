@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..sampling.sites import Site, from_dicts
+from ..sampling.sites import NATIVE, Site, from_dicts
 from .record import SiteChange
 
 LISTED_MIB = 1.5  # a site must grow by this much to be listed: below it, a pymalloc arena's MiB
@@ -27,7 +27,8 @@ class Growth:
     unlisted: int = 0
     shrunk_mib: float = 0.0
     shrunk: int = 0
-    internal_mib: float = 0.0  # change of the framework's internals and native allocations
+    internal_mib: float = 0.0  # change of the framework's own Python code
+    native_mib: float = 0.0  # change of allocations with no Python stack (a framework's worker threads)
 
     def summary(self) -> str:
         """``3 smaller sites +2.1 MiB; 2 sites shrank by 12.0 MiB; framework internals +4.1 MiB``."""
@@ -37,7 +38,10 @@ class Growth:
         if self.shrunk:
             parts.append(f"{self.shrunk} site{'s' if self.shrunk > 1 else ''} shrank by {-self.shrunk_mib:.1f} MiB")
         if abs(self.internal_mib) >= 0.05:
-            parts.append(f"framework internals and native code {self.internal_mib:+.1f} MiB")
+            parts.append(f"framework internals {self.internal_mib:+.1f} MiB")
+        if abs(self.native_mib) >= 0.05:
+            parts.append(f"native code {self.native_mib:+.1f} MiB (no Python stack: allocated on a framework's "
+                         "own threads, e.g. gloo's or OneFlow's VM workers)")
         return "; ".join(parts)
 
     def lines(self, limit: int = LISTED) -> list[str]:
@@ -68,9 +72,12 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
             shrunk, shrunk_mib = shrunk + 1, shrunk_mib + delta
     for gone in before.values():  # user sites that were live at the old peak and are not now
         shrunk, shrunk_mib = shrunk + 1, shrunk_mib - gone.mib
-    internal = sum(s.mib for s in new if s.internal) - sum(s.mib for s in old if s.internal)
+    def total(sites: Sequence[Site], native: bool) -> float:
+        return sum(s.mib for s in sites if s.internal and (s.where == NATIVE) == native)
+
     grown.sort(key=lambda c: (-c.growth, c.label))
-    return Growth(against, tuple(grown), unlisted_mib, unlisted, shrunk_mib, shrunk, internal)
+    return Growth(against, tuple(grown), unlisted_mib, unlisted, shrunk_mib, shrunk,
+                  total(new, False) - total(old, False), total(new, True) - total(old, True))
 
 
 def stored_sites(sites: Iterable[Site]) -> list[dict[str, Any]]:
