@@ -448,10 +448,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _line(label: str, commit: Commit, mib: float | None, verdict: str, why: str) -> str:
+def _line(label: str, commit: Commit, mib: float | None, verdict: str, why: str, width: int) -> str:
+    """One commit tried; ``width``: the subjects' column (the longest subject, at most 40)."""
     figure = "-" if mib is None else f"{mib:.1f} MiB"
-    subject = commit.subject if len(commit.subject) <= 40 else commit.subject[:39] + "~"
-    return f"{label:>4}  {commit.short}  {subject:<40}  {figure:>11}  {verdict} ({why})"
+    subject = commit.subject if len(commit.subject) <= width else commit.subject[:width - 1] + "~"
+    return f"{label:>4}  {commit.short}  {subject:<{width}}  {figure:>10}  {verdict} ({why})"
 
 
 @dataclass
@@ -578,10 +579,11 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
     judge = _Judge(nproc, good_size.gated_mib, tolerance)
     print(f"gpumem bisect: {test}, gated peak at nproc={nproc} ({good_size.gated_label}), growth allowed "
           f"above GOOD: {tolerance}; {len(commits) - 1} commits between GOOD and BAD")
-    print(_line("GOOD", good, good_size.gated_mib, "good", "the reference"))
+    width = min(40, max(len(c.subject) for c in [good, *commits]))
+    print(_line("GOOD", good, good_size.gated_mib, "good", "the reference", width))
     verdict, why = judge(latest)
     bad_size = latest.size(nproc)
-    print(_line("BAD", bad, bad_size.gated_mib if bad_size else None, verdict, why), flush=True)
+    print(_line("BAD", bad, bad_size.gated_mib if bad_size else None, verdict, why, width), flush=True)
     if verdict != "bad":
         raise BadInput(f"BAD {bad.short} is not bad: {why}" + (
             "" if verdict == "skip" else f" (GOOD {good.short}: {good_size.gated_mib:.1f} MiB at nproc={nproc})"))
@@ -599,7 +601,8 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
         measured[index] = found
         step_verdict, step_why = judge(found)
         size = found.size(nproc)
-        print(_line(str(tried), commit, size.gated_mib if size else None, step_verdict, step_why), flush=True)
+        print(_line(str(tried), commit, size.gated_mib if size else None, step_verdict, step_why, width),
+              flush=True)
         return step_verdict
 
     last_good, first_bad, skipped = search(len(commits), probe)

@@ -67,8 +67,9 @@ def repo(tmp_path_factory) -> tuple[Path, list[str]]:
     return root, make_repo(root)
 
 
-def make_repo(root: Path) -> list[str]:
-    """The 16 commits in ``root`` (shas oldest first): commit k's subject is ``commit k``."""
+def make_repo(root: Path, count: int = 16, broken: tuple[int, ...] = (6,), grows: int = 11) -> list[str]:
+    """``count`` commits in ``root`` (shas oldest first): commit k's subject is ``commit k``; the
+    helper does not import at the ``broken`` ones and holds 64 MiB more from ``grows`` on."""
     git(root, "init", "-q", "-b", "main")
     (root / "test_mem.py").write_text(TEST_MODULE)
     (root / "train.py").write_text(TRAIN)
@@ -78,8 +79,8 @@ def make_repo(root: Path) -> list[str]:
     (root / "baselines").mkdir()
     (root / "baselines" / "test_mem.json").write_text('{"stored": "by the user"}\n')
     shas = []
-    for k in range(1, 17):
-        helper = BROKEN if k == 6 else HELPER.format(mib=72 if k >= 11 else 8)
+    for k in range(1, count + 1):
+        helper = BROKEN if k in broken else HELPER.format(mib=72 if k >= grows else 8)
         (root / "helper.py").write_text(helper)
         (root / "NOTES").write_text(f"commit {k}\n")
         git(root, "add", "-A")
@@ -242,6 +243,24 @@ def test_a_commit_that_does_not_import_is_skipped_and_the_answer_stands(repo, pr
 
 
 @pytest.mark.slow
+def test_skips_next_to_the_growth_leave_it_ambiguous_and_say_where(tmp_path, private_tmp, launch_tag):
+    root = tmp_path / "project"
+    root.mkdir()
+    shas = make_repo(root, count=4, broken=(2, 3), grows=3)
+    done = bisect(root, private_tmp, shas[0], shas[3], "--", "test_mem.py::test_step")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert [(s, v) for _, s, v in steps(done.stdout)] == [
+        ("commit 1", "good"), ("commit 4", "bad"), ("commit 2", "skip"), ("commit 3", "skip")]
+    lines = done.stdout.splitlines()
+    assert lines[-5:] == [
+        f"gpumem bisect: the skipped commits leave it ambiguous: the first bad commit is one of 3 commits "
+        f"after {shas[0][:10]}:",
+        f"  {shas[1]} commit 2  (skipped)", f"  {shas[2]} commit 3  (skipped)", f"  {shas[3]} commit 4",
+        f"the first bad commit could be any of: {shas[1][:10]} {shas[2][:10]} {shas[3][:10]}"]
+    assert leftovers(root, private_tmp) == ([f"worktree {root}"], [])
+
+
+@pytest.mark.slow
 def test_a_measure_command_is_bisected_too(repo, private_tmp, launch_tag):
     root, shas = repo
     done = bisect(root, private_tmp, shas[8], shas[12], "--nproc", "2", "--",
@@ -293,7 +312,8 @@ def test_arguments_that_name_nothing_exit_2(repo, private_tmp):
 
 
 @pytest.mark.slow
-def test_ctrl_c_mid_bisect_leaves_no_worktree_and_no_process(repo, private_tmp, launch_tag):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_mid_bisect_leaves_no_worktree_and_no_process(repo, private_tmp, launch_tag, signum):
     root, shas = repo
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k == TAG_ENV}
     env.update(TMPDIR=str(private_tmp), BISECT_TEST_SLEEP="120")
@@ -306,10 +326,11 @@ def test_ctrl_c_mid_bisect_leaves_no_worktree_and_no_process(repo, private_tmp, 
         ranks = [pid for pid in processes_tagged(launch_tag)
                  if "pytest_gpumem.rankside.rank" in " ".join(_cmdline(pid)) and "exec" not in _cmdline(pid)]
     assert ranks, "no rank started"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 130, out + err
-    assert "stopped by SIGINT; the temporary worktree and every process of the step are gone" in err
+    assert proc.returncode == 128 + signum, out + err
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}; the temporary worktree and every process of the step are gone" in err
     assert leftovers(root, private_tmp) == ([f"worktree {root}"], [])
     assert processes_tagged(launch_tag) == []
 

@@ -76,3 +76,10 @@ def test_the_top_level_holds_only_the_entry_points_and_the_gate():
 
 def test_the_layer_list_names_every_subpackage():
     assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(LAYERS)
+
+
+def test_only_the_cli_imports_the_commands():
+    assert {"measure", "bisect"} <= _imports(PACKAGE / "cli.py")
+    for path in PACKAGE.glob("*.py"):
+        if path.stem != "cli":
+            assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
