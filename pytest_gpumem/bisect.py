@@ -532,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             space = Workspace(repo, relative, command)
             code = _bisect(space, good, bad, commits, args)
-        except BadInput as exc:
+        except (BadInput, RuntimeError) as exc:  # RuntimeError: a git command failed, with its message
             code = _fail(str(exc))
         except KeyboardInterrupt:
             stopped = signal.SIGINT
