@@ -8,7 +8,7 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
     presentation  renderers of the record
-    top level     plugin (pytest glue), gate (one test's outcome), cli and measure (commands)
+    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
-TOP = {"plugin", "gate", "cli", "measure"}
+TOP = {"plugin", "gate", "cli", "measure", "bisect"}
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
     # the one option table names the rank side's environment switches (their names: strings)
@@ -76,3 +76,10 @@ def test_the_top_level_holds_only_the_entry_points_and_the_gate():
 
 def test_the_layer_list_names_every_subpackage():
     assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(LAYERS)
+
+
+def test_only_the_cli_imports_the_commands():
+    assert {"measure", "bisect"} <= _imports(PACKAGE / "cli.py")
+    for path in PACKAGE.glob("*.py"):
+        if path.stem != "cli":
+            assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
