@@ -50,8 +50,10 @@ import psutil
 
 from .config.settings import option
 from .config.spec import SpecError, Tolerance, parse_tolerance
+from .judging.growth import compare as compare_sites
 from .judging.record import ReportError, SizeRecord, TestRecord, parse_report
 from .judging.verdict import against_reference
+from .sampling.sites import from_dicts
 
 USAGE = ("gpumem bisect GOOD BAD [--nproc N] [--tolerance TOL] -- <pytest args naming one test>\n"
          "       gpumem bisect GOOD BAD [--nproc N] [--tolerance TOL] -- measure [options] -- PROGRAM ...")
@@ -88,45 +90,29 @@ def _sites_of(size: SizeRecord | Mapping[str, Any]) -> tuple[Any, Any] | None:
     return None if sites is None else (sites, size.gated_rank)
 
 
-def _site_field(site: Any, name: str) -> Any:
-    return site.get(name) if isinstance(site, Mapping) else getattr(site, name, None)
-
-
-def _rank_sites(sites: Any, rank: int) -> dict[tuple[str, str, str], float]:
-    """MiB per (where, function, detail) of one rank; the same site listed twice counts once, summed."""
+def _listed(sites: Any, rank: int) -> list[Mapping[str, Any]]:
     listed = sites.get(str(rank), sites.get(rank)) if isinstance(sites, Mapping) else None
-    out: dict[tuple[str, str, str], float] = {}
-    for site in listed or ():
-        mib = _site_field(site, "mib")
-        if not isinstance(mib, (int, float)) or isinstance(mib, bool):
-            continue
-        where, function, detail = (str(_site_field(site, name) or "") for name in ("where", "function", "detail"))
-        out[where, function, detail] = out.get((where, function, detail), 0.0) + float(mib)
-    return out
+    return [dict(site) if isinstance(site, Mapping) else site for site in listed or ()]
 
 
 def site_lines(good: SizeRecord | Mapping[str, Any], bad: SizeRecord | Mapping[str, Any]) -> list[str]:
     """The peak sites of the gated rank that grew from ``good`` to ``bad`` (or are new), largest
-    first: ``+256.0 MiB  examples/test_torch_ddp.py:57 train_step (all_gather)``.
+    first, by the rule a failing test uses (judging/growth.py): ``+256.0 MiB  examples/x.py:57
+    train_step (all_gather)``, then one line summing what is not listed.
 
     Each side is one size of a report: a :class:`SizeRecord` or its raw JSON (``sizes[i]``), whose
     ``sites`` map a rank (``"0"``) to ``[{"mib", "count", "where", "function", "detail"}, ...]``.
     The rank is the bad side's gated rank (0 when it names none). [] when either side has no
-    sites (a report that does not record them), or nothing grew by 0.1 MiB or more.
+    sites (a report that does not record them).
     """
     found_good, found_bad = _sites_of(good), _sites_of(bad)
     if found_good is None or found_bad is None:
         return []
     rank = found_bad[1] if isinstance(found_bad[1], int) and not isinstance(found_bad[1], bool) else 0
-    before, after = _rank_sites(found_good[0], rank), _rank_sites(found_bad[0], rank)
-    grown = [(mib - before.get(key, 0.0), key) for key, mib in after.items()]
-    lines = []
-    for growth, (where, function, detail) in sorted(grown, key=lambda item: (-item[0], item[1])):
-        if round(growth, 1) <= 0:
-            continue
-        text = " ".join(part for part in (where, function) if part) or "(unknown site)"
-        lines.append(f"+{growth:.1f} MiB  {text}" + (f" ({detail})" if detail else ""))
-    return lines
+    after = from_dicts(_listed(found_bad[0], rank))
+    if not after:
+        return []
+    return compare_sites(from_dicts(_listed(found_good[0], rank)), after, "the last good commit").lines()
 
 
 # ---------------------------------------------------------------------------------------------- the search
@@ -620,8 +606,7 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
     old, new = before.size(nproc), after.size(nproc)
     assert old is not None and new is not None and old.gated_mib is not None and new.gated_mib is not None
     against = commits[last_good] if last_good >= 0 else good
-    old_raw, new_raw = before.raw_size(nproc), after.raw_size(nproc)
-    sites = site_lines(old_raw, new_raw) if old_raw is not None and new_raw is not None else []
+    sites = site_lines(old, new)
     if sites:
         print(f"peak sites that grew at nproc={nproc} ({new.gated_label}) since {against.short}:")
         for line in sites[:10]:

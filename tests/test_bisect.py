@@ -192,8 +192,8 @@ def test_site_lines_lists_what_grew_or_is_new_largest_first():
                        {"mib": 4.25, "count": 1, "where": "b.py:7", "function": "h", "detail": ""},
                        {"mib": 0.5, "count": 1, "where": "a.py:1", "function": "", "detail": ""}],
                  "1": [{"mib": 900.0, "count": 1, "where": "z.py:1", "function": "z", "detail": ""}]})
-    assert site_lines(good, bad) == ["+256.0 MiB  a.py:9 g (all_gather)", "+4.2 MiB  b.py:7 h",
-                                     "+0.5 MiB  a.py:1"]
+    assert site_lines(good, bad) == ["+256.0 MiB  a.py:9 g (all_gather)", "+4.2 MiB  b.py:7 h  (new)",
+                                     "(1 smaller site +0.5 MiB)"]
     assert site_lines(_size(good["sites"], 1), _size(bad["sites"], 1)) == ["+899.0 MiB  z.py:1 z"]
 
 
@@ -203,6 +203,8 @@ def test_site_lines_is_empty_without_sites():
     assert site_lines(_size(None), _size({"0": [{"mib": 5.0, "where": "a.py:1"}]})) == []
     shrunk = _size({"0": [{"mib": 5.0, "count": 1, "where": "a.py:1", "function": "f", "detail": ""}]})
     assert site_lines(shrunk, _size({"0": []})) == []
+    smaller = _size({"0": [{"mib": 4.0, "count": 1, "where": "a.py:1", "function": "f", "detail": ""}]})
+    assert site_lines(shrunk, smaller) == ["(1 site shrank by 1.0 MiB)"]
 
 
 # ---------------------------------------------------------------------------------------------- real bisects
@@ -224,8 +226,12 @@ def test_names_commit_11_in_at_most_6_steps_and_leaves_the_checkout_as_it_was(re
     assert 1 <= len(tried) - 2 <= 6
     assert {subject for _, subject, verdict in tried if verdict == "bad"} >= {"commit 11"}
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith(f"first bad commit: {shas[10]} commit 11 (+64.0 MiB at nproc=2, rank 0: ")
-    assert "peak sites: not recorded in these reports" in lines
+    growth = re.match(rf"first bad commit: {shas[10]} commit 11 \(\+(\d+\.\d) MiB at nproc=2, rank 0: ", lines[-1])
+    # the buffer is 64 MiB; the interpreter's own 1 MiB arenas may come and go between runs
+    assert growth and abs(float(growth.group(1)) - 64.0) <= 2.0, lines[-1]
+    heading = lines.index(next(line for line in lines if line.startswith("peak sites that grew at nproc=2")))
+    held = next(i for i, line in enumerate(TEST_MODULE.splitlines(), 1) if "held = bytearray" in line)
+    assert lines[heading + 1] == f"  +64.0 MiB  test_mem.py:{held} test_step"  # the line that holds the buffer
     assert leftovers(root, private_tmp) == ([f"worktree {root}"], [])
 
 
@@ -275,7 +281,7 @@ def test_a_measure_command_is_bisected_too(repo, private_tmp, launch_tag):
     ("GOOD does not collect", (6, 16, "test_mem.py::test_step"),
      "GOOD {6} is not good: the test does not collect there: SyntaxError"),
     ("BAD is not bad", (12, 16, "test_mem.py::test_step"),
-     "BAD {16} is not bad: +0.0 MiB, within +"),
+     "BAD {16} is not bad: [-+][01].0 MiB, within +"),  # the same 72 MiB buffer at both (1 MiB: an arena)
     ("no test", (1, 16, "test_mem.py::test_missing"),
      "the pytest arguments 'test_mem.py::test_missing' select no test at GOOD {1} ("),
     ("two tests", (1, 16, "test_mem.py", "-k", "step or other"),
@@ -293,7 +299,8 @@ def test_bad_input_exits_2_and_says_why(repo, private_tmp, launch_tag, case, arg
     done = bisect(root, private_tmp, shas[good - 1], shas[bad - 1], "--", *rest)
     assert done.returncode == 2, done.stdout + done.stderr
     expected = re.sub(r"\{(\d+)\}", lambda m: shas[int(m.group(1)) - 1][:10], message)
-    assert f"gpumem bisect: {expected}" in done.stderr, done.stderr
+    pattern = re.escape(f"gpumem bisect: {expected}").replace(re.escape("[-+][01].0"), "[-+][01]\\.0")
+    assert re.search(pattern, done.stderr), done.stderr
     assert leftovers(root, private_tmp) == ([f"worktree {root}"], [])
 
 
