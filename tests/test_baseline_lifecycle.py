@@ -151,3 +151,24 @@ def test_refresh_command_runs_pytest_with_refresh(pytester, job, launch_tag):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test_job.py::test_job nproc=2: (new) ->" in proc.stdout
     assert (pytester.path / "baselines" / "test_job.py.json").exists()
+
+
+def test_a_refresh_of_an_unchanged_test_changes_no_stored_site(pytester, job, launch_tag):
+    """Sites are stored rounded and kept when a rerun moves them by noise: the diff of a refresh of an
+    unchanged test touches no site (only the figures within their spread and the date may move)."""
+    job.write_text("96")
+    stored = pytester.path / "baselines" / "test_job.py.json"
+
+    def sites() -> list:
+        entry = json.loads(stored.read_text())["tests"]["test_job"]
+        return [size["sites"] for platform in entry.values() for size in platform.values()]
+
+    run(pytester, "--gpumem-refresh").assert_outcomes(passed=1)
+    first = sites()
+    assert first and any(s["where"] == "test_job.py:7" and s["mib"] == 96.0 for s in first[0]), first
+    for _ in range(2):
+        run(pytester, "--gpumem-refresh").assert_outcomes(passed=1)
+        assert sites() == first
+    job.write_text("160")  # a real change is written
+    run(pytester, "--gpumem-refresh").assert_outcomes(passed=1)
+    assert any(s["where"] == "test_job.py:7" and s["mib"] == 160.0 for s in sites()[0])
