@@ -373,3 +373,21 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
     table = outputs.diff_table(diff)
     assert "t/a.py::test_x nproc=2: peak sites that grew" in table
     assert "**Peak sites that grew**" in outputs.diff_markdown(diff)
+
+
+def test_the_allocator_figure_is_in_every_output():
+    """GPU sizes carry torch's allocator figure beside the device figure: the Markdown cell, JUnit
+    properties, a benchmark series of its own, and a gpumem diff row judged at its own tolerance."""
+    from dataclasses import replace
+
+    base = replace(size(1, 14370.0), allocated_mib=7765.06, allocated_baseline_mib=7765.06)
+    grown = replace(size(1, 13982.0), allocated_mib=7905.0)  # the cache shrank, the tensors grew 1.8%
+    old, new = rec("t/f.py::test_fsdp", "pass", base), rec("t/f.py::test_fsdp", "FAIL", grown)
+    assert "14370.0 (rank 0, gpu); allocated 7765.1" in outputs.markdown([old])
+    props = dict(outputs.junit_properties(old))
+    assert props["gpumem_nproc1_allocated_mib"] == "7765.06" and props["gpumem_nproc1_allocated_baseline_mib"]
+    series = {b["name"]: b["value"] for b in outputs.benchmark_json([old])}
+    assert series["t/f.py::test_fsdp nproc=1 rank 0 allocated"] == 7765.06
+    diff = outputs.compare([old], [new])
+    assert [(r.figure, r.kind) for r in diff.rows] == [("allocated", "regression"), ("", "unchanged")]
+    assert any("1 allocated" in line and "REGRESSION" in line for line in outputs.diff_table(diff))

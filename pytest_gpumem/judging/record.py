@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-from ..config.spec import DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
 
 if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs neither
     from ..config.spec import Spec
@@ -42,6 +42,7 @@ class Limits:
     allow_mib: float = 0.0
     rank: int | str = 0  # an int, or "all": the largest rank
     tolerance: str = str(DEFAULT_TOLERANCE)
+    allocated_tolerance: str = str(DEFAULT_ALLOCATED_TOLERANCE)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class TestRecord:
             "launcher": self.launcher,
             "limits": {"max_mib": self.limits.max_mib, "max_ratio": self.limits.max_ratio,
                        "allow_mib": self.limits.allow_mib, "rank": self.limits.rank,
-                       "tolerance": self.limits.tolerance},
+                       "tolerance": self.limits.tolerance, "allocated_tolerance": self.limits.allocated_tolerance},
             "sizes": [_size_json(s) for s in self.sizes],
             "provenance": dict(self.provenance),
             "messages": list(self.messages),
@@ -367,12 +368,15 @@ class _Reader:
             self.bad(f"{where}.rank", "an integer >= 0 or 'all'", rank)
             rank = 0
         tolerance = raw.get("tolerance") or str(DEFAULT_TOLERANCE)
-        try:
-            parse_tolerance(tolerance)
-        except SpecError as exc:
-            self.problems.append(f"{where}.tolerance: {exc}")
+        allocated = raw.get("allocated_tolerance") or str(DEFAULT_ALLOCATED_TOLERANCE)
+        for key, value in (("tolerance", tolerance), ("allocated_tolerance", allocated)):
+            try:
+                parse_tolerance(value)
+            except SpecError as exc:
+                self.problems.append(f"{where}.{key}: {exc}")
         return Limits(max_mib=self.number(raw, "max_mib", where), max_ratio=self.number(raw, "max_ratio", where),
-                      allow_mib=self.number(raw, "allow_mib", where) or 0.0, rank=rank, tolerance=str(tolerance))
+                      allow_mib=self.number(raw, "allow_mib", where) or 0.0, rank=rank, tolerance=str(tolerance),
+                      allocated_tolerance=str(allocated))
 
     def check(self, raw: Any, where: str) -> CheckRecord:
         raw = self.obj(raw, where)
@@ -654,7 +658,8 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
         status=status,
         nproc=tuple(spec.nproc),
         launcher=spec.launcher,
-        limits=Limits(spec.max_mib, spec.max_ratio, spec.allow_mib, spec.rank, str(spec.tolerance)),
+        limits=Limits(spec.max_mib, spec.max_ratio, spec.allow_mib, spec.rank, str(spec.tolerance),
+                      str(spec.allocated_tolerance)),
         sizes=tuple(sizes),
         provenance=dict(test.provenance),
         messages=tuple(messages),

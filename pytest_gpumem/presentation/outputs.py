@@ -97,6 +97,8 @@ def _md_rows(record: TestRecord) -> list[str]:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
                          if size.predicted else "")
             peak += f" ({size.gated_label}, {size.device}{predicted})"
+        if size.allocated_mib is not None:
+            peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x"
         nproc = f"{size.nproc}" + ("\\*" if size.reused else "")
         change = format_delta(delta(size.gated_mib, size.baseline_mib))
@@ -202,6 +204,10 @@ def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
             extra.append(f"verdict {rec.size_verdict(size)}")
             out.append({"name": benchmark_name(rec, size.nproc), "unit": "MiB",
                         "value": round(size.gated_mib, 2), "extra": ", ".join(e for e in extra if e)})
+            if size.allocated_mib is not None:  # the exact series: a 1% step shows, the cache does not
+                out.append({"name": benchmark_name(rec, size.nproc) + " allocated", "unit": "MiB",
+                            "value": round(size.allocated_mib, 2),
+                            "extra": f"gpu, the allocator's peak of live tensors, verdict {rec.size_verdict(size)}"})
     return out
 
 
@@ -232,6 +238,10 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
                 props.append((f"{key}_delta_pct", f"{change[1]:+.2f}"))
         if size.ratio is not None:
             props.append((f"{key}_ratio", f"{size.ratio:.3f}"))
+        if size.allocated_mib is not None:
+            props.append((f"{key}_allocated_mib", _mib(size.allocated_mib, 2)))
+            if size.allocated_baseline_mib is not None:
+                props.append((f"{key}_allocated_baseline_mib", _mib(size.allocated_baseline_mib, 2)))
         if size.predicted:
             props.append((f"{key}_predicted", size.basis))
     return props
@@ -259,6 +269,7 @@ class DiffRow:
     tolerance: str = ""
     device: str = ""
     sites: tuple[str, ...] = ()  # a regression's peak sites that grew, largest first
+    figure: str = ""  # "allocated": the GPU allocator's figure, compared at its own tolerance
 
     @property
     def change(self) -> tuple[float, float | None] | None:
@@ -313,6 +324,22 @@ def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
     return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device, sites)
 
 
+def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
+                   new: tuple[TestRecord, SizeRecord] | None) -> DiffRow | None:
+    """The allocator figure of a GPU size, where both reports have it, at the allocator tolerance."""
+    if old is None or new is None:
+        return None
+    (_, old_size), (new_rec, new_size) = old, new
+    before, after = old_size.allocated_mib, new_size.allocated_mib
+    if before is None or after is None:
+        return None
+    tolerance = parse_tolerance(new_rec.limits.allocated_tolerance)
+    kind, allowance = against_reference(after, before, tolerance)
+    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
+    return DiffRow(key[0], key[1], before, after, kind, allowance, str(tolerance), new_size.device, sites,
+                   "allocated")
+
+
 def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
     """The gated rank's peak sites that grew from the old report to the new one."""
     before = old.sites.get(old.gated_rank) if old.gated_rank is not None else None
@@ -334,15 +361,17 @@ def compare(old: Iterable[TestRecord], new: Iterable[TestRecord],
     """
     override = parse_tolerance(tolerance) if tolerance is not None else None
     old_sizes, new_sizes = _by_size(old), _by_size(new)
-    rows = [_diff_row(key, old_sizes.get(key), new_sizes.get(key), override)
-            for key in set(old_sizes) | set(new_sizes)]
-    rows.sort(key=lambda r: (_KINDS.index(r.kind), r.test, r.nproc))
+    keys = set(old_sizes) | set(new_sizes)
+    rows = [_diff_row(key, old_sizes.get(key), new_sizes.get(key), override) for key in keys]
+    rows += [row for key in keys if (row := _allocated_row(key, old_sizes.get(key), new_sizes.get(key)))]
+    rows.sort(key=lambda r: (_KINDS.index(r.kind), r.test, r.nproc, r.figure))
     return ReportDiff(tuple(rows))
 
 
 def _diff_cells(row: DiffRow) -> tuple[str, ...]:
     allowed = "-" if row.allowance_mib is None else f"+{row.allowance_mib:.1f} ({row.tolerance})"
-    return (row.test, str(row.nproc), _mib(row.old_mib), _mib(row.new_mib), format_delta(row.change),
+    nproc = str(row.nproc) + (" allocated" if row.figure == "allocated" else "")
+    return (row.test, nproc, _mib(row.old_mib), _mib(row.new_mib), format_delta(row.change),
             allowed, row.kind.upper() if row.kind == "regression" else row.kind)
 
 
