@@ -172,3 +172,35 @@ def test_a_refresh_of_an_unchanged_test_changes_no_stored_site(pytester, job, la
     job.write_text("160")  # a real change is written
     run(pytester, "--gpumem-refresh").assert_outcomes(passed=1)
     assert any(s["where"] == "test_job.py:7" and s["mib"] == 160.0 for s in sites()[0])
+
+
+@pytest.mark.parametrize("filed", ["schema 1, keyed by the other CPU model", "schema 2, another model in provenance"])
+def test_in_ci_a_baseline_recorded_on_another_cpu_model_is_compared_and_passes(pytester, job, monkeypatch,
+                                                                               launch_tag, filed):
+    """A team records on a workstation and gates on a CI runner of another CPU model: the host figure
+    (live allocations) compares across models of one architecture, so CI compares and passes; a real
+    growth still fails there, naming the other CPU model first."""
+    job.write_text("64")
+    run(pytester, "--gpumem-refresh").assert_outcomes(passed=1)
+    stored = pytester.path / "baselines" / "test_job.py.json"
+    doc = json.loads(stored.read_text())
+    (key, sizes), = doc["tests"]["test_job"].items()
+    for entry in sizes.values():
+        entry["provenance"]["cpu_model"] = "AMD EPYC 7763 64-Core Processor"
+    if filed.startswith("schema 1"):
+        for entry in sizes.values():
+            del entry["provenance"]["cpu_model"]
+            entry.pop("sites", None)
+        doc = {"schema": 1, "tests": {"test_job": {"cpu:AMD EPYC 7763 64-Core Processor": sizes}}}
+    stored.write_text(json.dumps(doc, indent=2))
+    monkeypatch.setenv("CI", "true")
+    same = run(pytester, "--gpumem-report=report.json")
+    same.assert_outcomes(passed=1)
+    record = json.loads((pytester.path / "report.json").read_text())["tests"][0]
+    assert record["sizes"][0]["baseline_mib"] is not None  # compared, not "no baseline"
+    job.write_text("160")
+    grown = run(pytester)
+    grown.assert_outcomes(failed=1)
+    lines = grown.stdout.lines
+    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
+    assert lines[heading + 1].strip().startswith("cpu_model: AMD EPYC 7763 64-Core Processor -> ")
