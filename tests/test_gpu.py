@@ -314,7 +314,7 @@ import pytest
 MiB = 2**20
 
 
-def train(gather):
+def train(gather, keep=False):
     import torch
     import torch.distributed as dist
 
@@ -322,6 +322,7 @@ def train(gather):
     dist.init_process_group("nccl")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4096, 4096).cuda())
     x = torch.randn(65536, 4096, device="cuda")  # 1 GiB of batch per rank
+    kept = x.clone() if keep else None  # the regression at one GPU: a copy of the batch kept alive
     if gather:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]  # the bug: every rank's batch
         dist.all_gather(parts, x)
@@ -331,11 +332,17 @@ def train(gather):
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+    return kept
 
 
 @pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05, allow_mib=900)
 def test_ddp():
     train(False)
+
+
+@pytest.mark.gpumem(nproc=1, device="gpu")
+def test_ddp_one_gpu():
+    kept = train(False, keep=os.environ.get("KEEP_COPY") == "1")
 
 
 @pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05, allow_mib=900)
@@ -359,3 +366,27 @@ def test_ddp_at_1_2_8_on_two_gpus_passes_and_its_inflating_twin_fails_at_2_namin
     failing = [c for c in _size(records["test_ddp_inflating"], 2)["checks"] if not c["ok"]]
     assert failing and failing[0]["kind"] == "max_ratio"
     assert records["test_ddp_inflating"]["grown_sites"][0]["site"].startswith("test_ddp.py:")
+
+
+@needs_gpu
+def test_ddp_at_one_gpu_a_kept_copy_of_the_batch_fails_naming_its_line(pytester, launch_tag):
+    """What one GPU can run of the DDP sites: a baseline, then the same job keeping a copy of its
+    1 GiB batch: the allocator figure fails and the first site is the line of the copy."""
+    pytester.makepyfile(test_ddp=DDP)
+    args = ("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=off", "test_ddp.py::test_ddp_one_gpu")
+    pytester.runpytest(*args, "--gpumem-refresh").assert_outcomes(passed=1)
+    report = pytester.path / "kept.json"
+    os.environ["KEEP_COPY"] = "1"
+    try:
+        result = pytester.runpytest(*args, f"--gpumem-report={report}")
+    finally:
+        del os.environ["KEEP_COPY"]
+    result.assert_outcomes(failed=1)
+    record = json.loads(report.read_text())["tests"][0]
+    first = record["grown_sites"][0]
+    print(f"DDP, one GPU, a kept copy of the batch: first site {first['site']} "
+          f"+{first['new_mib'] - first['old_mib']:.1f} MiB; device {_size(record, 1)['gated_mib']:.1f} MiB, "
+          f"allocated {_size(record, 1)['allocated_mib']:.1f} MiB")
+    line = next(i for i, text in enumerate(DDP.splitlines()) if "kept = x.clone()" in text)  # 1-based after strip
+    assert first["site"].startswith(f"test_ddp.py:{line} train"), first
+    assert abs(first["new_mib"] - first["old_mib"] - 1024.0) <= 2.0
