@@ -38,7 +38,7 @@ class Growth:
         if self.shrunk:
             parts.append(f"{self.shrunk} site{'s' if self.shrunk > 1 else ''} shrank by {-self.shrunk_mib:.1f} MiB")
         if abs(self.internal_mib) >= 0.05:
-            parts.append(f"framework internals {self.internal_mib:+.1f} MiB")
+            parts.append(f"framework internals and allocations under 4 KiB {self.internal_mib:+.1f} MiB")
         if abs(self.native_mib) >= 0.05:
             parts.append(f"native code {self.native_mib:+.1f} MiB (no Python stack: allocated on a framework's "
                          "own threads, e.g. gloo's or OneFlow's VM workers)")
@@ -72,7 +72,7 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
             shrunk, shrunk_mib = shrunk + 1, shrunk_mib + delta
     for gone in before.values():  # user sites that were live at the old peak and are not now
         shrunk, shrunk_mib = shrunk + 1, shrunk_mib - gone.mib
-    def total(sites: Sequence[Site], native: bool) -> float:
+    def total(sites: Sequence[Site], native: bool) -> float:  # the small allocations count as internals
         return sum(s.mib for s in sites if s.internal and (s.where == NATIVE) == native)
 
     grown.sort(key=lambda c: (-c.growth, c.label))
