@@ -65,6 +65,7 @@ class FloorRecord:
     framework: str
     what: str  # "CUDA context + torch start-up + communicator"
     ranks: Mapping[int, float]
+    cached: str | None = None  # the date it was measured, when it came from the floor cache
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "host_ranks": _keyed(s.host_ranks),
         "rss_ranks": _keyed(s.rss_ranks),
         "floor": None if s.floor is None else {"framework": s.floor.framework, "what": s.floor.what,
-                                               "ranks": _keyed(s.floor.ranks)},
+                                               "ranks": _keyed(s.floor.ranks), "cached": s.floor.cached},
         "peak_at_s": _keyed(s.peak_at_s),
         "imbalance": s.imbalance,
         "duration_s": s.duration_s,
@@ -252,6 +253,13 @@ class _Reader:
             return value
         self.bad(f"{where}.{key}", "a string", value)
         return ""
+
+    def optional_text(self, raw: Mapping[str, Any], key: str, where: str) -> str | None:
+        value = raw.get(key)
+        if value is None or isinstance(value, str):
+            return value
+        self.bad(f"{where}.{key}", "a string or null", value)
+        return None
 
     def number(self, raw: Mapping[str, Any], key: str, where: str, optional: bool = True) -> float | None:
         value = raw.get(key)
@@ -357,7 +365,8 @@ class _Reader:
             f = self.obj(floor_raw, f"{where}.floor")
             floor = FloorRecord(self.text(f, "framework", f"{where}.floor", ""),
                                 self.text(f, "what", f"{where}.floor", ""),
-                                self.per_rank(f, "ranks", f"{where}.floor", self.mib))
+                                self.per_rank(f, "ranks", f"{where}.floor", self.mib),
+                                self.optional_text(f, "cached", f"{where}.floor"))
         prediction = raw.get("predicted")
         if prediction is not None and not isinstance(prediction, dict):
             self.bad(f"{where}.predicted", "an object (the fit) or null", prediction)
@@ -544,7 +553,8 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
             host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items()) if p.mib is not None},
             rss_ranks={r: round(mib, 1) for r, mib in sorted(result.rss_peaks.items())},
             floor=None if floor is None else FloorRecord(floor.framework, floor.describe(result.device, n),
-                                                         {r: round(m, 1) for r, m in sorted(floor.ranks.items())}),
+                                                         {r: round(m, 1) for r, m in sorted(floor.ranks.items())},
+                                                         floor.cached),
             peak_at_s={r: round(t, 3) for r, t in sorted(peak_times(result).items())},
             imbalance=imbalance(result),
             duration_s=round(result.duration_s, 3),
