@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from ..config.spec import DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..sampling.allocations import is_allocation_method
 
 if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs neither
     from ..config.spec import Spec
@@ -82,7 +83,7 @@ class SizeRecord:
     ratio: float | None = None  # gated figure over the nproc=1 one
     baseline_mib: float | None = None
     others_max_mib: float | None = None
-    host_ranks: Mapping[int, float] = field(default_factory=dict)  # beside a GPU figure
+    host_ranks: Mapping[int, float] = field(default_factory=dict)  # live allocations, where they were tracked
     rss_ranks: Mapping[int, float] = field(default_factory=dict)  # VmHWM, information only
     floor: FloorRecord | None = None
     peak_at_s: Mapping[int, float] = field(default_factory=dict)
@@ -550,7 +551,9 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
             ratio=verdict.ratio(n) if verdict is not None else None,
             baseline_mib=(baselines or {}).get(n),
             others_max_mib=result.others_max(spec.rank),
-            host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items()) if p.mib is not None},
+            # Live allocations only: where the ranks were not tracked (GPU figures) VmHWM is in rss_ranks.
+            host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items())
+                        if p.mib is not None and is_allocation_method(p.method)},
             rss_ranks={r: round(mib, 1) for r, mib in sorted(result.rss_peaks.items())},
             floor=None if floor is None else FloorRecord(floor.framework, floor.describe(result.device, n),
                                                          {r: round(m, 1) for r, m in sorted(floor.ranks.items())},
