@@ -167,3 +167,28 @@ def test_the_next_session_reuses_the_floor_and_says_it_is_cached(tmp_path, launc
     assert any(note.startswith(f"floor cache {cache.path}: line 1 column 26") for note in notes), notes
     assert broken.results[0].floor is not None and broken.results[0].floor.cached is None
     assert len(json.loads(cache.path.read_text())["floors"]) == 1
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_the_session_writes_its_floors_where_the_setting_says(pytester, launch_tag, tmp_path):
+    """The plugin's wiring: --gpumem-floor-cache names the file; the floor measured now is not labelled."""
+    pytest.importorskip("torch")
+    cache = tmp_path / "elsewhere" / "floors.json"
+    report = tmp_path / "report.json"
+    pytester.makepyfile('''
+import pytest
+import torch
+
+@pytest.mark.gpumem(nproc=1)
+def test_small():
+    torch.ones(1024, 1024)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=on",
+                                f"--gpumem-floor-cache={cache}", f"--gpumem-report={report}")
+    result.assert_outcomes(passed=1)
+    floor = json.loads(report.read_text())["tests"][0]["sizes"][0]["floor"]
+    assert floor["framework"] == "torch" and floor["cached"] is None
+    (entry,) = json.loads(cache.read_text())["floors"]
+    assert entry["framework"] == "torch" and entry["key"]["world_size"] == "1" and entry["key"]["device"] == "cpu"
+    assert entry["ranks"]["0"] == pytest.approx(floor["ranks"]["0"], abs=0.05)
