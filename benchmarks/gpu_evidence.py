@@ -425,8 +425,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                         help="speed: auto (GPU where one is visible), gpu, or cpu (gloo and host memory)")
     parser.add_argument("--base", type=Path, help="speed: another checkout of pytest-gpumem measured alongside")
-    parser.add_argument("--budget-s", type=float, default=330.0,
-                        help="speed: start no round that would end past this many seconds (default 330)")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="speed: start no round that would end past this many seconds (default 400)")
     parser.add_argument("--intervals-ms", default=str(DEFAULT_INTERVAL_S * 1e3),
                         help="sampling periods for grid and cost, comma list")
     args = parser.parse_args()

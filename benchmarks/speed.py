@@ -315,7 +315,7 @@ def ms(value: float | None) -> str:
 
 
 def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout: float = 300.0,
-          base: Path | None = None, budget_s: float = 330.0) -> list[str]:
+          base: Path | None = None, budget_s: float = 400.0) -> list[str]:
     """The part: run every case ``runs`` times (after a warm-up round), write and return the lines.
 
     ``base``: another checkout of pytest-gpumem (say main, before a change), measured alongside as a
@@ -443,8 +443,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up (default 5)")
     parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
     parser.add_argument("--base", type=Path, help="another checkout of pytest-gpumem, measured alongside (before)")
-    parser.add_argument("--budget-s", type=float, default=330.0,
-                        help="start no round that would end past this many seconds (default 330)")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="start no round that would end past this many seconds (default 400)")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
