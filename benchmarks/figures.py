@@ -15,7 +15,8 @@ Everything goes through ``pytest --gpumem`` on the shipped examples, side by sid
    twin's (the spike lands on the live set of its moment, which may sit a fraction of a MiB below
    the job's own later peak: the deltas are printed).
 4. tracking cost: the example's per-launch time (the plugin's own ``duration_s``) with the
-   tracker on and off (``GPUMEM_TRACK_ALLOCATIONS=0``), alternated, medians.
+   tracker on and off (``--gpumem-track-host=on|off``), alternated, medians; and the
+   CPU time of each whole session, which other jobs on the machine move less than wall time.
 
 Results are appended to ``benchmarks/results/figures.txt``, one section per framework.
 """
@@ -151,14 +152,25 @@ def spike(say) -> None:
 
 
 def cost(example: str, say) -> None:
-    on, off = [], []
+    """Per-launch seconds with the tracker on and off, alternated; and, steadier on a shared machine,
+    the CPU time of each whole session (pytest and every rank it waited for; both sizes)."""
+    import resource
+
+    on, off, cpu_on, cpu_off = [], [], [], []
     for _ in range(5):
-        on.append(rank0(pytest_gpumem([example])[0]))
-        off.append(rank0(pytest_gpumem([example], {"GPUMEM_TRACK_ALLOCATIONS": "0"})[0]))
-    say(f"[cost] {example}: per-launch seconds, median of 5, tracker on vs off (alternated)")
+        for runs, cpus, switch in ((on, cpu_on, "on"), (off, cpu_off, "off")):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            runs.append(rank0(pytest_gpumem([example, f"--gpumem-track-host={switch}"])[0]))
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    say(f"[cost] {example}: per-launch seconds, median of 5, tracker on vs off (--gpumem-track-host, alternated); "
+        f"load average {os.getloadavg()[0]:.1f}")
     for n in sorted(on[0]):
         t_on, t_off = statistics.median(r[n][2] for r in on), statistics.median(r[n][2] for r in off)
         say(f"  nproc={n}: {t_on:.2f} s vs {t_off:.2f} s ({t_on / t_off:.3f}x)")
+    c_on, c_off = statistics.median(cpu_on), statistics.median(cpu_off)
+    say(f"  CPU time of the whole session (nproc 1 and 2, pytest and every rank): {c_on:.2f} s vs {c_off:.2f} s "
+        f"({c_on / c_off:.3f}x)")
 
 
 if __name__ == "__main__":

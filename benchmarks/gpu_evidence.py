@@ -1,6 +1,7 @@
 """GPU evidence on a real machine (torch + NCCL): run it where there are GPUs, commit what it prints.
 
     PYTHONPATH=. PYTEST_PLUGINS=pytest_gpumem.plugin python benchmarks/gpu_evidence.py OUT_DIR [--parts ...]
+    PYTHONPATH=.:/tmp/site python3 benchmarks/gpu_evidence.py OUT_DIR --parts speed [--runs 5] [--device cpu]
 
 1. spike: a rank holds a steady amount, allocates 2 GiB more for 5 ms and frees it; 20 launches
    through the plugin at the default sampling rate: is the recorded peak >= steady + 2 GiB?
@@ -12,6 +13,9 @@
 5. cost: CPU time of the sampler per GPU per second while a job holds memory steady.
 6. repeat: the DDP job 10 times with the floor measured: spread of the gated figure, floor and job.
 7. inrank: the spike of 1. through the NVML sampler inside each rank vs the parent-side one.
+8. speed: the bare job vs the same job as a gpumem test, 1 and 2 ranks, a trivial body and the DDP
+   example's job, medians of --runs interleaved rounds and where the time goes (benchmarks/speed.py;
+   OUT/gpu_speed.txt, or with --device cpu or no GPU, gloo and host memory: OUT/cpu_speed.txt).
 It reads GPU settings (accounting mode) and never changes any.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 
 from pytest_gpumem.sampling.nvml import DEFAULT_INTERVAL_S, NvmlSampler, visible_gpus  # noqa: E402
 
@@ -413,7 +419,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--parts", default="spike,ddp,leases,grid,cost",
-                        help="comma list of spike, ddp, leases, grid, cost, faults, snapshot, inflate, repeat, inrank")
+                        help="comma list of spike, ddp, leases, grid, cost, faults, snapshot, inflate, repeat, inrank, "
+                             "speed")
+    parser.add_argument("--runs", type=int, default=5, help="speed: measured rounds after the warm-up (default 5)")
+    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="speed: auto (GPU where one is visible), gpu, or cpu (gloo and host memory)")
+    parser.add_argument("--base", type=Path, help="speed: another checkout of pytest-gpumem measured alongside")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="speed: start no round that would end past this many seconds (default 400)")
     parser.add_argument("--intervals-ms", default=str(DEFAULT_INTERVAL_S * 1e3),
                         help="sampling periods for grid and cost, comma list")
     args = parser.parse_args()
@@ -421,10 +434,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "cases"
     folder.mkdir(exist_ok=True)
-    info = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,accounting.mode,memory.total",
-                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    lines = ["GPUs (read only):"] + ["  " + line for line in info.splitlines()]
     parts = args.parts.split(",")
+    info = ""
+    if shutil.which("nvidia-smi") and args.device != "cpu":
+        info = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,accounting.mode,memory.total",
+                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    lines = ["GPUs (read only):"] + ["  " + line for line in info.splitlines() or ["none visible"]]
+    if "speed" in parts:
+        from speed import speed
+
+        lines += speed(folder, out, args.runs, args.device, base=args.base, budget_s=args.budget_s)
     for name, part in (("spike", spike), ("ddp", ddp), ("leases", leases), ("faults", faults),
                        ("snapshot", snapshot), ("inflate", inflate), ("repeat", repeat), ("inrank", inrank)):
         if name in parts:

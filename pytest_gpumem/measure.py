@@ -161,6 +161,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .judging.record import build, report_document
     from .judging.verdict import judge
     from .launching import scaling
+    from .launching.floor_cache import FloorCache
     from .launching.gpus import GpuPlanner
     from .launching.leases import default_lease_dir
     from .launching.runner import Runner
@@ -172,7 +173,8 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         cwd=Path.cwd(), rootdir=Path.cwd(), rank_pytest_args=_no_pytest,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
         host_interval_s=interval, floor=settings.floor, gpu_sampler=settings.gpu_sampler,
-        rank_env=settings.rank_env(),
+        floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
+        track_host=settings.track_host, rank_env=settings.rank_env(),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

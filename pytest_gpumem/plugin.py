@@ -220,6 +220,7 @@ class ParentSide:
         if self._machinery is None:
             from .gate import Gate
             from .judging.baseline import BaselineStore
+            from .launching.floor_cache import FloorCache
             from .launching.gpus import GpuPlanner
             from .launching.leases import default_lease_dir
             from .launching.runner import Runner
@@ -236,6 +237,8 @@ class ParentSide:
                 snapshot_dir=resolved.torch_snapshot,
                 rank_env=resolved.rank_env(),
                 floor=resolved.floor,
+                floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
+                track_host=resolved.track_host,
                 gpu_sampler=resolved.gpu_sampler,
                 slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
             )

@@ -36,6 +36,12 @@ def launch_tag(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(autouse=True)
+def _own_floor_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """Each test its own floor cache: none is read from, or written to, the user's ~/.cache."""
+    monkeypatch.setenv("GPUMEM_FLOOR_CACHE", str(tmp_path_factory.mktemp("floor-cache") / "floors.json"))
+
+
+@pytest.fixture(autouse=True)
 def _not_in_ci(monkeypatch: pytest.MonkeyPatch):
     """The plugin fails missing baselines when CI is set; tests that want that set it themselves."""
     monkeypatch.delenv("CI", raising=False)

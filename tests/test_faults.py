@@ -658,6 +658,7 @@ BAD_VALUES = {
     "srun_args": '--gpus-per-task="1',  # an unclosed quote
     "max_nproc": "-2",
     "predict": "maybe",
+    "track_host": "sometimes",
 }
 # Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}

@@ -40,7 +40,7 @@ def full_record() -> TestRecord:
                 CheckRecord("baseline", False, 420.0, 400.0, "rank 1 at nproc=2 (gpu, allocated): peak 420.0 MiB > "
                             "baseline", "allocated")),
         ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, host_ranks={0: 120.5, 1: 121.0}, rss_ranks={0: 300.0},
-        floor=FloorRecord("torch", "CUDA context + torch start-up + communicator", {0: 612.0, 1: 612.0}),
+        floor=FloorRecord("torch", "CUDA context + torch start-up + communicator", {0: 612.0, 1: 612.0}, "2026-12-01"),
         peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015, duration_s=3.5, reused=False, nodes={0: "n1", 1: "n2"},
         timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})),
         prediction=None, allocated_ranks={0: AllocatedRecord(400.0, 512.0), 1: AllocatedRecord(420.0, None)},
@@ -106,6 +106,8 @@ def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
     (lambda t: t["sizes"][0].update(timeline=[[0.0]]),
      "tests[0].sizes[0].timeline[0]: expected [seconds, {rank: MiB}]"),
     (lambda t: t.update(baseline_changes=[[2, "a", 1.0]]), "tests[0].baseline_changes[0]: expected [nproc, old MiB"),
+    (lambda t: t["sizes"][0]["floor"].update(cached=20261201),
+     "tests[0].sizes[0].floor.cached: expected a string or null, got 20261201"),
 ])
 def test_every_bad_field_is_named_with_what_is_accepted(mutate, message):
     doc = json.loads(json.dumps(report_document([full_record()])))

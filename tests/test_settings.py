@@ -85,3 +85,24 @@ def test_the_tolerance_default_is_written_once():
     assert settings().tolerance == spec.Defaults().tolerance == spec.parse_tolerance(spec.DEFAULT_TOLERANCE)
     sources = Path(spec.__file__).parent.rglob("*.py")
     assert sum(path.read_text().count(f'"{spec.DEFAULT_TOLERANCE}"') for path in sources) == 1
+
+
+def test_the_floor_cache_lives_under_xdg_cache_home_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert settings().floor_cache == Path("/home/someone/.cache/pytest-gpumem/floors.json")
+    assert settings(env={"XDG_CACHE_HOME": "/var/cache/ci"}).floor_cache == Path(
+        "/var/cache/ci/pytest-gpumem/floors.json")
+    assert settings(env={"XDG_CACHE_HOME": "relative"}).floor_cache == Path(  # XDG: only absolute paths count
+        "/home/someone/.cache/pytest-gpumem/floors.json")
+    assert settings(ini={"floor_cache": "~/floors.json"}).floor_cache == Path("/home/someone/floors.json")
+    assert settings(env={"GPUMEM_FLOOR_CACHE": "off"}).floor_cache is None
+
+
+def test_host_tracking_is_auto_by_default_and_keeps_the_variable_older_spellings():
+    assert settings().track_host == "auto"
+    assert settings(cli={"track_host": "on"}).track_host == "on"
+    assert settings(env={"GPUMEM_TRACK_ALLOCATIONS": "0"}).track_host == "off"  # as documented before 0.2
+    assert settings(env={"GPUMEM_TRACK_ALLOCATIONS": "1"}, ini={"track_host": "off"}).track_host == "on"
+    with pytest.raises(SettingsError, match="Invalid gpumem_track_host 'maybe' from the ini file: expected one of "
+                                            "auto, on, off"):
+        settings(ini={"track_host": "maybe"})

@@ -104,7 +104,7 @@ def test_growth_lists_what_grew_largest_first_and_sums_the_rest():
     assert grown.lines() == [
         "+256.0 MiB  t.py:57 gather  (new)",
         "+3.0 MiB  t.py:20 opt  (new)",
-        "(1 smaller site +1.0 MiB; 1 site shrank by 4.0 MiB; framework internals +4.5 MiB)",
+        "(1 smaller site +1.0 MiB; 1 site shrank by 4.0 MiB; framework internals and allocations under 4 KiB +4.5 MiB)",
     ]
 
 

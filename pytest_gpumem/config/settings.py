@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV, SITES_ENV
+from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV, SITES_ENV, TRACK_ENV
 from .spec import (
     DEFAULT_ALLOCATED_TOLERANCE,
     DEFAULT_TOLERANCE,
@@ -90,6 +90,14 @@ def _positive_int_or_zero(text: str) -> int:
     return value
 
 
+def _track(text: str) -> str:
+    """auto, on or off; the variable's older spellings (1/0, true/false, yes/no) still mean on/off."""
+    lowered = text.strip().lower()
+    if lowered == "auto":
+        return "auto"
+    return "on" if _bool(lowered) else "off"
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -158,6 +166,16 @@ OPTIONS: tuple[Option, ...] = (
            _choice(("auto", "on", "off")), "auto", "one of auto, on, off",
            "measure an empty job of the same framework at each size and show floor and job apart "
            "(auto: for GPU figures, where the CUDA context and communicator are the floor)"),
+    Option("floor_cache", "--gpumem-floor-cache", "GPUMEM_FLOOR_CACHE", "gpumem_floor_cache",
+           str, "", "a file path, or off",
+           "where floors are kept for later sessions, per machine, driver, framework, Python, launch and size "
+           "(off: measured in every session)",
+           shown_default="$XDG_CACHE_HOME/pytest-gpumem/floors.json (~/.cache/pytest-gpumem/floors.json)"),
+    Option("track_host", "--gpumem-track-host", TRACK_ENV, "gpumem_track_host",
+           _track, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
+           "track each rank's host allocations (memray: the gated host figure). auto: where the host figure "
+           "is gated, i.e. not in launches whose ranks have GPUs (device auto or gpu); off: host figures are "
+           "the resident high-water mark (VmHWM)"),
     Option("gpu_sampler", "--gpumem-gpu-sampler", "GPUMEM_GPU_SAMPLER", "gpumem_gpu_sampler",
            _choice(("parent", "rank")), "parent", "one of parent, rank",
            "who samples NVML for GPU figures: the parent pytest (by the ranks' PIDs) or a thread in each rank"),
@@ -245,6 +263,8 @@ class Settings:
     device: str
     interval_ms: float
     floor: str
+    floor_cache: Path | None  # None: off
+    track_host: str
     gpu_sampler: str
     baselines: Path
     missing_baseline: str
@@ -335,6 +355,9 @@ def resolve(
             text, source = option.default, "the default"
         values[option.name] = _parse(option, text, source)
     baselines = Path(values.pop("baselines"))
+    cache_text = values.pop("floor_cache").strip()
+    floor_cache = (None if cache_text.lower() in ("off", "none") else
+                   Path(os.path.expanduser(cache_text)) if cache_text else default_floor_cache(env))
     texts = {name: values.pop(name) for name in
              ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json", "slurm_dir")}
     paths: dict[str, Any] = {name: Path(text) if text else None for name, text in texts.items()}
@@ -342,9 +365,18 @@ def resolve(
         enabled=enabled,
         refresh=refresh,
         baselines=baselines if baselines.is_absolute() else rootdir / baselines,
+        floor_cache=floor_cache,
         **paths,
         **values,
     )
+
+
+def default_floor_cache(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/pytest-gpumem/floors.json``, or under ``~/.cache`` when that is unset or not
+    absolute (the XDG rule)."""
+    base = env.get("XDG_CACHE_HOME") or ""
+    root = Path(base) if os.path.isabs(base) else Path(os.path.expanduser("~")) / ".cache"
+    return root / "pytest-gpumem" / "floors.json"
 
 
 def option(name: str) -> Option:

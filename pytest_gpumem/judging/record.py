@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..sampling.allocations import is_allocation_method
 
 if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs neither
     from ..config.spec import Spec
@@ -95,6 +96,7 @@ class FloorRecord:
     framework: str
     what: str  # "CUDA context + torch start-up + communicator"
     ranks: Mapping[int, float]
+    cached: str | None = None  # the date it was measured, when it came from the floor cache
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class SizeRecord:
     ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
     baseline_mib: float | None = None
     others_max_mib: float | None = None
-    host_ranks: Mapping[int, float] = field(default_factory=dict)  # beside a GPU figure
+    host_ranks: Mapping[int, float] = field(default_factory=dict)  # live allocations, where they were tracked
     rss_ranks: Mapping[int, float] = field(default_factory=dict)  # VmHWM, information only
     floor: FloorRecord | None = None
     peak_at_s: Mapping[int, float] = field(default_factory=dict)
@@ -257,7 +259,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "host_ranks": _keyed(s.host_ranks),
         "rss_ranks": _keyed(s.rss_ranks),
         "floor": None if s.floor is None else {"framework": s.floor.framework, "what": s.floor.what,
-                                               "ranks": _keyed(s.floor.ranks)},
+                                               "ranks": _keyed(s.floor.ranks), "cached": s.floor.cached},
         "peak_at_s": _keyed(s.peak_at_s),
         "imbalance": s.imbalance,
         "duration_s": s.duration_s,
@@ -307,6 +309,13 @@ class _Reader:
             return value
         self.bad(f"{where}.{key}", "a string", value)
         return ""
+
+    def optional_text(self, raw: Mapping[str, Any], key: str, where: str) -> str | None:
+        value = raw.get(key)
+        if value is None or isinstance(value, str):
+            return value
+        self.bad(f"{where}.{key}", "a string or null", value)
+        return None
 
     def number(self, raw: Mapping[str, Any], key: str, where: str, optional: bool = True) -> float | None:
         value = raw.get(key)
@@ -416,7 +425,8 @@ class _Reader:
             f = self.obj(floor_raw, f"{where}.floor")
             floor = FloorRecord(self.text(f, "framework", f"{where}.floor", ""),
                                 self.text(f, "what", f"{where}.floor", ""),
-                                self.per_rank(f, "ranks", f"{where}.floor", self.mib))
+                                self.per_rank(f, "ranks", f"{where}.floor", self.mib),
+                                self.optional_text(f, "cached", f"{where}.floor"))
         prediction = raw.get("predicted")
         if prediction is not None and not isinstance(prediction, dict):
             self.bad(f"{where}.predicted", "an object (the fit) or null", prediction)
@@ -630,10 +640,13 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
             ratio_figure=_ratio_figure(test.results, result, spec) if verdict is not None else "",
             baseline_mib=(baselines or {}).get(n),
             others_max_mib=result.others_max(spec.rank),
-            host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items()) if p.mib is not None},
+            # Live allocations only: where the ranks were not tracked (GPU figures) VmHWM is in rss_ranks.
+            host_ranks={r: p.mib for r, p in sorted(result.host_peaks.items())
+                        if p.mib is not None and is_allocation_method(p.method)},
             rss_ranks={r: round(mib, 1) for r, mib in sorted(result.rss_peaks.items())},
             floor=None if floor is None else FloorRecord(floor.framework, floor.describe(result.device, n),
-                                                         {r: round(m, 1) for r, m in sorted(floor.ranks.items())}),
+                                                         {r: round(m, 1) for r, m in sorted(floor.ranks.items())},
+                                                         floor.cached),
             peak_at_s={r: round(t, 3) for r, t in sorted(peak_times(result).items())},
             imbalance=imbalance(result),
             duration_s=round(result.duration_s, 3),

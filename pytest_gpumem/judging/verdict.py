@@ -23,6 +23,13 @@ class FloorResult:
 
     framework: str
     ranks: Mapping[int, float]
+    cached: str | None = None  # the date it was measured, when it came from the floor cache
+
+    @property
+    def label(self) -> str:
+        """``; cached, measured 2026-12-01`` for a floor from the cache (every rendering says so); empty
+        for one measured in this session."""
+        return f"; cached, measured {self.cached}" if self.cached else ""
 
     def describe(self, device: str, world_size: int) -> str:
         parts = ["CUDA context + " if device == "gpu" else ""] + [f"{self.framework} start-up"]
@@ -249,7 +256,8 @@ class Verdict:
                     f"{r}: {floor.ranks[r]:.1f} + {p.mib - floor.ranks[r]:.1f}"
                     for r, p in sorted(result.peaks.items()) if p.mib is not None and r in floor.ranks)
                 lines.append(f"    floor + job's own MiB per rank {{{split}}} "
-                             f"(floor: an empty job, {floor.describe(result.device, result.world_size)})")
+                             f"(floor: an empty job, {floor.describe(result.device, result.world_size)}"
+                             f"{floor.label})")
             if result.device == "cpu" and result.rss_peaks:
                 rss = ", ".join(f"{r}: {mib:.1f}" for r, mib in sorted(result.rss_peaks.items()))
                 lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")

@@ -2,9 +2,10 @@
 
 A GPU figure includes the CUDA context (its size moves with the driver and CUDA versions), the
 framework's start-up and, at N > 1, the communicator's buffers; none of that is the job's own.
-Launched once per session, framework, launcher, device and world size, this probe does only that
-much, measured the same way as the test, so a report can show floor and job apart and a reviewer
-sees which part moved.
+Launched once per framework, launcher, device and world size, this probe does only that much,
+measured the same way as the test, so a report can show floor and job apart and a reviewer sees
+which part moved. Its figures are kept across sessions (``floor_cache``): a later session launches
+no probe unless the machine, the driver, the framework, Python or the launch changed.
 
 Run inside a rank: ``python -m pytest_gpumem.rankside.rank module pytest_gpumem.launching.floor FRAMEWORK DEVICE``.
 """
@@ -15,6 +16,7 @@ import os
 import sys
 
 FRAMEWORKS = ("torch", "oneflow")
+PROBE_VERSION = 1  # part of the floor cache's key: change it whenever what the probe does changes
 
 
 def _torch(device: str, world: int) -> None:

@@ -293,6 +293,13 @@ class Launch:
         for proc in self._procs:
             _signal_group(proc.pid, signal.SIGTERM)
         others = [p for p in self._alive(self._seen.values()) + self._strays() if p.pid not in own]
+        if not others and all(proc.poll() is not None for proc in self._procs):
+            # The usual end: every process of the launch had exited. Nothing is left to wait for or
+            # find again (each look for strays reads every process's environment); a member of a
+            # group that carries neither our env nor a known pid goes as it always did, by SIGKILL.
+            for proc in self._procs:
+                _signal_group(proc.pid, signal.SIGKILL)
+            return []
         for other in others:
             _signal(other, signal.SIGTERM)
         deadline = time.monotonic() + _TERM_GRACE_S

@@ -18,13 +18,15 @@ from ..judging.explain import config_provenance
 from ..judging.verdict import FloorResult, SizeResult
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
-from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, ROOTDIR_ENV, SNAPSHOT_ENV
+from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, ROOTDIR_ENV, SNAPSHOT_ENV, TRACK_ENV
 from ..sampling import AllocatedPeak, Peak, Sampler
+from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler
 from ..sampling.identity import platform_key
 from ..sampling.sites import Site, from_dicts
 from . import slurm
 from .floor import FRAMEWORKS
+from .floor_cache import FloorCache, cache_key
 from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .workdirs import make_workdir, sweep_orphans
@@ -92,6 +94,9 @@ class Runner:
         host_interval_s: float | None = None,
         snapshot_dir: Path | None = None,
         floor: str = "auto",
+        floor_cache: FloorCache | None = None,
+        refresh_floors: bool | None = None,
+        track_host: str = "auto",
         gpu_sampler: str = "parent",
         rank_env: Mapping[str, str] | None = None,
         slurm_options: slurm.SlurmOptions | None = None,
@@ -106,9 +111,13 @@ class Runner:
         self.slurm_options = slurm_options or slurm.SlurmOptions()
         self._references: dict[tuple, SizeRun] = {}
         self._swept = False
-        self.floor = floor
+        self.floor = floor  # auto: floors of GPU figures; on: of every figure; off
+        self.floor_cache = floor_cache  # None: floors are measured in every session
+        # Measure even where the cache has the floor (and rewrite it): floor=on's meaning by default.
+        self.refresh_floors = floor == "on" if refresh_floors is None else refresh_floors
+        self.track_host = track_host  # auto | on | off: memray in each rank (see _tracks_host)
         self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
-        self._floors: dict[tuple, tuple[str, SizeResult] | None] = {}
+        self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -150,7 +159,9 @@ class Runner:
         return test
 
     def _add_floors(self, test: TestRun) -> None:
-        """Measure (once per framework, launcher, device, env and size) what an empty job costs."""
+        """The floor of each figure that shows one (floor=auto: GPU figures; on: every figure): from
+        this session, from the floor cache, or measured by an empty launch (once per framework,
+        launcher, device, env and size). Looked up after the test's launch, which names the framework."""
         for run in test.runs:
             result = run.result
             if not (self.floor == "on" or (self.floor == "auto" and result.device == "gpu")):
@@ -162,16 +173,34 @@ class Runner:
                             args=(framework, result.device), device=result.device, nproc=(result.world_size,))
             key = (framework, probe.launch_key(), result.world_size)
             if key not in self._floors:
-                plan = self._plan(probe, result.world_size, f"{test.test_id} (floor)")
-                floor_run = self._launch(test.test_id, probe, result.world_size, plan)
-                self._floors[key] = None if floor_run.problems else (framework, floor_run.result)
-            found = self._floors[key]
-            if found is None:
+                self._floors[key] = self._floor(test.test_id, probe, framework, run)
+                run.notes.extend(self._floors[key][1])  # said once, on the run that looked it up
+            floor = self._floors[key][0]
+            if floor is None:
                 run.notes.append(f"the {framework} floor at nproc={result.world_size} could not be measured")
                 continue
-            framework, measured = found
-            run.result = replace(result, floor=FloorResult(
-                framework, {r: p.mib for r, p in measured.peaks.items() if p.mib is not None}))
+            run.result = replace(result, floor=floor)
+
+    def _floor(self, test_id: str, probe: Spec, framework: str, run: SizeRun) -> tuple[FloorResult | None, list[str]]:
+        """(the floor, notes): the cached one unless refreshing; otherwise launched, then cached."""
+        result, notes = run.result, []
+        key = None if self.floor_cache is None else cache_key(
+            device=result.device, platform=result.platform, world_size=result.world_size, method=result.methods,
+            launch=probe.launch_key(), provenance=run.provenance)
+        if self.floor_cache is not None and key is not None and not self.refresh_floors:
+            cached, problem = self.floor_cache.get(key)
+            notes += [problem] if problem else []
+            if cached is not None and cached.framework == framework:
+                return FloorResult(framework, cached.ranks, cached=cached.date), notes
+        plan = self._plan(probe, result.world_size, f"{test_id} (floor)")
+        measured = self._launch(test_id, probe, result.world_size, plan)
+        ranks = {r: p.mib for r, p in measured.result.peaks.items() if p.mib is not None}
+        if measured.problems:
+            return None, notes
+        if self.floor_cache is not None and key is not None and ranks:
+            problem = self.floor_cache.put(key, framework, ranks)
+            notes += [problem] if problem else []
+        return FloorResult(framework, ranks), notes
 
     def _plan(self, spec: Spec, nproc: int, test_id: str) -> GpuPlan:
         if spec.launcher == "srun":  # Slurm binds the GPUs; the local leases are for local launches
@@ -195,6 +224,19 @@ class Runner:
         if spec.module is not None:
             return ("module", spec.module, *spec.args)
         return ("pytest", *self.rank_pytest_args(test_id))
+
+    def _tracks_host(self, spec: Spec, plan: GpuPlan) -> bool:
+        """Whether the ranks track their host allocations (memray, the gated host figure).
+
+        Decided before the launch: where GPUs are leased and the spec's device is not "cpu", the
+        figure will be GPU memory, and the tracker (1.1-2x a launch's time: it hooks every Python
+        call and every allocation) would measure a figure that is not gated. Those ranks keep NVML,
+        and their VmHWM as information. ``track_host=on`` tracks everywhere, ``off`` nowhere; a
+        marker's env (GPUMEM_TRACK_ALLOCATIONS) wins over both.
+        """
+        if self.track_host in ("on", "off"):
+            return self.track_host == "on"
+        return not (plan.sampler is not None and spec.device != "cpu")
 
     def _in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
         return spec.launcher == "srun" or (plan.sampler is not None and self.gpu_sampler == "rank")
@@ -230,11 +272,12 @@ class Runner:
             side_env[GPU_IN_RANK_ENV] = "1"
             if plan.sampler is not None:
                 side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
+        track = {TRACK_ENV: "1" if self._tracks_host(spec, plan) else "0"}  # a marker's env wins
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**self.rank_env, **dict(spec.env), **plan.env, **side_env},
+            env={**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env},
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
@@ -310,6 +353,11 @@ class Runner:
         peaks = gpu_peaks if use_gpu else host_peaks
         if use_gpu:
             provenance.update(plan.provenance)
+        elif self.track_host == "auto" and not self._tracks_host(spec, plan) and any(
+                not is_allocation_method(p.method) for p in host_peaks.values()):
+            notes.append("no rank was seen on its GPU, so the host figure is gated, but host allocations were not "
+                         "tracked (GPUs were leased: a GPU figure was expected); it is the resident high-water "
+                         'mark. device="cpu" or --gpumem-track-host=on gates the peak of live allocations')
         timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
         allocated, sites, live, site_notes = _rank_figures(reports, use_gpu, started_at)
         result = SizeResult(
