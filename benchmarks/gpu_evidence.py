@@ -425,6 +425,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                         help="speed: auto (GPU where one is visible), gpu, or cpu (gloo and host memory)")
     parser.add_argument("--base", type=Path, help="speed: another checkout of pytest-gpumem measured alongside")
+    parser.add_argument("--sites-off", action="store_true",
+                        help="speed: also measure the plugin with --gpumem-sites=off (what peak sites cost)")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="speed: start no round that would end past this many seconds (default 400)")
     parser.add_argument("--intervals-ms", default=str(DEFAULT_INTERVAL_S * 1e3),
@@ -443,7 +445,8 @@ def main() -> None:
     if "speed" in parts:
         from speed import speed
 
-        lines += speed(folder, out, args.runs, args.device, base=args.base, budget_s=args.budget_s)
+        lines += speed(folder, out, args.runs, args.device, base=args.base, budget_s=args.budget_s,
+                       sites_off=args.sites_off)
     for name, part in (("spike", spike), ("ddp", ddp), ("leases", leases), ("faults", faults),
                        ("snapshot", snapshot), ("inflate", inflate), ("repeat", repeat), ("inrank", inrank)):
         if name in parts:

@@ -315,7 +315,7 @@ def ms(value: float | None) -> str:
 
 
 def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout: float = 300.0,
-          base: Path | None = None, budget_s: float = 400.0) -> list[str]:
+          base: Path | None = None, budget_s: float = 400.0, sites_off: bool = False) -> list[str]:
     """The part: run every case ``runs`` times (after a warm-up round), write and return the lines.
 
     ``base``: another checkout of pytest-gpumem (say main, before a change), measured alongside as a
@@ -337,12 +337,15 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     plugins = ["speedtrace"] + ([] if plugin_installed() else ["pytest_gpumem.plugin"])
     env.update(PYTEST_PLUGINS=",".join(plugins), SPEED_DEVICE="cuda" if device == "gpu" else "cpu",
                SPEED_MIB=str(mib), OMP_NUM_THREADS="1", GPUMEM_MISSING_BASELINE="ignore")
-    roots = {"bare": ROOT, "plugin": ROOT, **({"base": base.resolve()} if base is not None else {})}
+    roots = {"bare": ROOT, "plugin": ROOT, **({"base": base.resolve()} if base is not None else {}),
+             **({"nosites": ROOT} if sites_off else {})}
     envs = {}
     for kind, root in roots.items():
         floors = out / f"speed-floors-{kind}.json"
         floors.unlink(missing_ok=True)  # the warm-up round is a first session
         envs[kind] = {**env, "PYTHONPATH": absolute_pythonpath(env, [root, folder]), "GPUMEM_FLOOR_CACHE": str(floors)}
+        if kind == "nosites":  # the same plugin with no peak sites: what recording them costs
+            envs[kind]["GPUMEM_SITES"] = "0"
     kinds = list(roots)
     cases = [(c, n) for c, n in CASES if n <= max(gpus, 1) or device == "cpu"]
     skipped = [(c, n) for c, n in CASES if (c, n) not in cases]
@@ -384,7 +387,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     import pytest_gpumem
 
     med = statistics.median
-    names = {"plugin": f"pytest-gpumem {pytest_gpumem.__version__}", "base": "pytest-gpumem at BASE (before)"}
+    names = {"plugin": f"pytest-gpumem {pytest_gpumem.__version__}", "base": "pytest-gpumem at BASE (before)",
+             "nosites": f"pytest-gpumem {pytest_gpumem.__version__} with --gpumem-sites=off"}
     lines = [f"speed: the bare job vs the same job as a pytest-gpumem test, {device.upper()} "
              f"({gpus} GPU{'s' if gpus != 1 else ''} visible), {datetime.date.today().isoformat()}",
              f"  Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -394,7 +398,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
              + (f"; {done} of the {runs} rounds asked for: the time budget of {budget_s:g} s ran out"
                 if done < runs else ""),
              f"  command: python3 benchmarks/gpu_evidence.py OUT --parts speed --runs {runs}"
-             + (f" --device {asked}" if asked != "auto" else "") + (" --base BASE" if base is not None else "")]
+             + (f" --device {asked}" if asked != "auto" else "") + (" --base BASE" if base is not None else "")
+             + (" --sites-off" if sites_off else "")]
     for case, nproc in CASES:
         name = case_name(case, nproc, device, mib)
         if (case, nproc) in skipped:
@@ -445,10 +450,12 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="another checkout of pytest-gpumem, measured alongside (before)")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no round that would end past this many seconds (default 400)")
+    parser.add_argument("--sites-off", action="store_true",
+                        help="also measure the plugin with --gpumem-sites=off (what recording peak sites costs)")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    speed(out / "cases", out, args.runs, args.device, base=args.base, budget_s=args.budget_s)
+    speed(out / "cases", out, args.runs, args.device, base=args.base, budget_s=args.budget_s, sites_off=args.sites_off)
 
 
 if __name__ == "__main__":
