@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .config.settings import Settings
 from .judging import growth as growth_mod
@@ -36,7 +37,17 @@ class Gate:
         self.settings = settings
         self.store = store
 
-    def evaluate(self, test: TestRun) -> Outcome:
+    def evaluate(self, test: TestRun, relaunch: Callable[[TestRun, set[int]], None] | None = None) -> Outcome:
+        """Judge, refresh, explain. ``relaunch(test, sizes)``: where a failing GPU size has no peak
+        sites (its allocator history was not recorded), relaunch those sizes with it, then judge again."""
+        outcome = self._evaluate(test)
+        wanted = sites_wanted(test, outcome) if relaunch is not None and outcome.failure else set()
+        if relaunch is not None and wanted:
+            relaunch(test, wanted)
+            outcome = self._evaluate(test)
+        return outcome
+
+    def _evaluate(self, test: TestRun) -> Outcome:
         spec = test.spec
         test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
         problems = list(test.problems)
@@ -171,6 +182,19 @@ class Gate:
 def _steady_sites(old: Entry, new: Entry) -> Entry:
     """A refresh of an unchanged test rewrites no stored site (sizes within noise keep their value)."""
     return replace(new, sites=tuple(growth_mod.steady(old.sites, new.sites))) if old.sites else new
+
+
+def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
+    """GPU sizes whose failure would be explained by peak sites they do not have (and nproc=1 for a
+    scaling failure, the sites they are compared with)."""
+    if test.problems or outcome.record.status in ("ERROR", "skip"):
+        return set()
+    failing = {s.nproc for s in outcome.record.sizes if s.failed and not s.predicted}
+    by_size = {r.world_size: r for r in test.results if not r.predicted}
+    wanted = {n for n in failing if n in by_size and by_size[n].device == "gpu"}
+    if any(c.kind == "max_ratio" and not c.ok for s in outcome.record.sizes for c in s.checks) and 1 in by_size:
+        wanted.add(1)
+    return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}
 
 
 def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:

@@ -239,6 +239,8 @@ class ParentSide:
                 floor=resolved.floor,
                 floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
                 track_host=resolved.track_host,
+                sites=resolved.sites,
+                gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
                 gpu_sampler=resolved.gpu_sampler,
                 slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
             )
@@ -289,7 +291,8 @@ class ParentSide:
 
             self._capacity = scaling.Capacity(self.settings.max_nproc, self.settings.predict,
                                               lambda: len(visible_gpus()))
-        outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity))
+        outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity),
+                                relaunch=runner.relaunch_for_sites if self.settings.sites == "auto" else None)
         item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record.to_json())))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:

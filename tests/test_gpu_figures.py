@@ -103,6 +103,7 @@ def test_the_cache_moving_388_mib_between_identical_runs_is_no_regression_but_on
     rerun, sizes = run(pytester, monkeypatch, 14370.0, FAKE_CUDA_CACHE_MIB="5305")  # +2.8%: the cache
     rerun.assert_outcomes(passed=1)
     assert sizes[1]["gated_mib"] == 14370.0 and sizes[1]["allocated_mib"] == 7000.0
+    assert sizes[1]["sites"] == {}  # a passing run pays for no history (a refresh and a failure do)
 
     grown, sizes = run(pytester, monkeypatch, 14176.0, EXTRA_MIB="70")  # one 1% tensor kept alive
     grown.assert_outcomes(failed=1)
@@ -114,6 +115,8 @@ def test_the_cache_moving_388_mib_between_identical_runs_is_no_regression_but_on
     heading = next(i for i, line in enumerate(lines) if "peak sites that grew since the baseline" in line)
     assert lines[heading + 1].strip() == "+70.0 MiB  test_job.py:9 train  (new)"
     assert sizes["record"]["grown_sites"][0]["site"] == "test_job.py:9 train"
+    assert any(note.startswith("peak sites at nproc=1 from a relaunch with torch's allocator history on; "
+                               "its allocator figure 7070.0 MiB") for note in sizes["record"]["notes"])
 
 
 def test_a_config_switched_to_no_shard_fails_at_nproc_2_naming_the_declared_change_first(

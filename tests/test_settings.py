@@ -66,10 +66,11 @@ def test_every_option_declared_once():
 
 
 def test_rank_switches_are_settings_handed_to_the_ranks_as_1_or_0():
-    assert settings().rank_env() == {"GPUMEM_FAST_EXIT": "1", "GPUMEM_BOXING": "1", "GPUMEM_SITES": "1"}
-    s = settings(cli={"boxing": "off"}, env={"GPUMEM_FAST_EXIT": "false"}, ini={"boxing": "on", "sites": "off"})
-    assert (s.fast_exit, s.boxing, s.sites) == (False, False, False)
-    assert s.rank_env() == {"GPUMEM_FAST_EXIT": "0", "GPUMEM_BOXING": "0", "GPUMEM_SITES": "0"}
+    assert settings().rank_env() == {"GPUMEM_FAST_EXIT": "1", "GPUMEM_BOXING": "1"}
+    s = settings(cli={"boxing": "off"}, env={"GPUMEM_FAST_EXIT": "false"}, ini={"boxing": "on", "sites": "0"})
+    assert (s.fast_exit, s.boxing, s.sites) == (False, False, "off")
+    assert s.rank_env() == {"GPUMEM_FAST_EXIT": "0", "GPUMEM_BOXING": "0"}
+    assert settings().sites == "auto" and settings(env={"GPUMEM_SITES": "yes"}).sites == "on"
     with pytest.raises(SettingsError, match="Invalid gpumem_boxing 'maybe' from the ini file: expected on or off"):
         settings(ini={"boxing": "maybe"})
 

@@ -98,6 +98,13 @@ def _track(text: str) -> str:
     return "on" if _bool(lowered) else "off"
 
 
+def _sites(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered in ("auto", "on", "off"):
+        return lowered
+    return "on" if _bool(text) else "off"
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -238,10 +245,11 @@ OPTIONS: tuple[Option, ...] = (
            "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
            rank_env=True),
     Option("sites", "--gpumem-sites", SITES_ENV, "gpumem_sites",
-           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
-           "record where the memory live at each rank's peak was allocated (memray's capture on the host, "
-           "torch's CUDA allocator history on a GPU) and list the sites that grew when a test fails",
-           rank_env=True),
+           _sites, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",
+           "peak sites: where the memory live at each rank's peak was allocated, listed when they grew in a "
+           "failure. Host: read from memray's capture. GPU (torch's allocator history, whose first reading "
+           "costs up to ~1 s a rank): auto records it when refreshing and relaunches a failing size with it; "
+           "on records it in every launch; off: no sites"),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -277,7 +285,7 @@ class Settings:
     report: Path | None
     fast_exit: bool
     boxing: bool
-    sites: bool = True
+    sites: str = "auto"
     slurm_dir: Path | None = None
     srun_args: tuple[str, ...] = ()
     nnodes: int = 0

@@ -18,7 +18,15 @@ from ..judging.explain import config_provenance
 from ..judging.verdict import FloorResult, SizeResult
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
-from ..rankside.rank import GPU_IN_RANK_ENV, GPU_INTERVAL_ENV, ROOTDIR_ENV, SNAPSHOT_ENV, TRACK_ENV
+from ..rankside.rank import (
+    GPU_IN_RANK_ENV,
+    GPU_INTERVAL_ENV,
+    HISTORY_ENV,
+    ROOTDIR_ENV,
+    SITES_ENV,
+    SNAPSHOT_ENV,
+    TRACK_ENV,
+)
 from ..sampling import AllocatedPeak, Peak, Sampler
 from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler
@@ -97,6 +105,8 @@ class Runner:
         floor_cache: FloorCache | None = None,
         refresh_floors: bool | None = None,
         track_host: str = "auto",
+        sites: str = "auto",
+        gpu_history: bool = False,
         gpu_sampler: str = "parent",
         rank_env: Mapping[str, str] | None = None,
         slurm_options: slurm.SlurmOptions | None = None,
@@ -116,6 +126,8 @@ class Runner:
         # Measure even where the cache has the floor (and rewrite it): floor=on's meaning by default.
         self.refresh_floors = floor == "on" if refresh_floors is None else refresh_floors
         self.track_host = track_host  # auto | on | off: memray in each rank (see _tracks_host)
+        self.sites = sites  # auto | on | off: peak sites (auto: GPU ones from a relaunch, see relaunch_for_sites)
+        self.gpu_history = gpu_history or sites == "on"  # record torch's allocator history in every launch
         self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
         self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
 
@@ -241,7 +253,35 @@ class Runner:
     def _in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
         return spec.launcher == "srun" or (plan.sampler is not None and self.gpu_sampler == "rank")
 
-    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan) -> SizeRun:
+    def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> None:
+        """Launch ``sizes`` again with torch's allocator history on and take their GPU peak sites.
+
+        The history costs little while a job runs, but its first reading imports torch's compiler
+        stack (~1 s a rank on an H200 for a job that has not), so by default it is not recorded in
+        a passing run: a failing GPU size is relaunched once with it, and the failure names the
+        relaunch and its figure beside the sites. Sizes that already have sites are left alone.
+        """
+        for run in test.runs:
+            result = run.result
+            if result.world_size not in sizes or result.device != "gpu" or result.sites or result.predicted:
+                continue
+            plan = self._plan(test.spec, result.world_size, f"{test.test_id} (peak sites)")
+            if plan.skip_reason is not None:
+                continue
+            again = self._launch(test.test_id, test.spec, result.world_size, plan, history=True)
+            rank = result.gated_rank(test.spec.rank)
+            found = again.result.sites.get(rank) if rank is not None else None
+            if again.problems or rank is None or not found:
+                run.notes.append(f"the relaunch of nproc={result.world_size} for its peak sites gave none"
+                                 + (f": {again.problems[0].splitlines()[0]}" if again.problems else ""))
+                continue
+            mib = again.result.read(test.spec.rank, "allocated")[1]
+            figure = "" if mib is None else f"; its allocator figure {mib:.1f} MiB"
+            run.result = replace(result, sites={**result.sites, rank: found}, sites_notes=result.sites_notes + (
+                f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
+                f"{figure} (--gpumem-sites=on records it in every launch)",))
+
+    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False) -> SizeRun:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
@@ -251,11 +291,12 @@ class Runner:
             return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[str(exc)])
         try:  # the folder goes whatever happens, Ctrl-C included
-            return self._launch_in(test_id, spec, nproc, plan, workdir)
+            return self._launch_in(test_id, spec, nproc, plan, workdir, history)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path) -> SizeRun:
+    def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path,
+                   history: bool = False) -> SizeRun:
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
@@ -265,7 +306,9 @@ class Runner:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        side_env = {ROOTDIR_ENV: str(self.rootdir)}  # rank-side measurements: sites named from the rootdir
+        # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
+        side_env = {ROOTDIR_ENV: str(self.rootdir), SITES_ENV: "0" if self.sites == "off" else "1",
+                    HISTORY_ENV: "1" if history or self.gpu_history else "0"}
         if self.snapshot_dir is not None:
             side_env[SNAPSHOT_ENV] = "1"
         if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU

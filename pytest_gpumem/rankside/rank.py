@@ -39,7 +39,8 @@ FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's f
 TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figures fall back to VmHWM
 GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
 GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
-SITES_ENV = "GPUMEM_SITES"  # off: no peak sites (no torch allocator history, no memray site read-back)
+SITES_ENV = "GPUMEM_SITES"  # 0: no peak sites (no memray site read-back, no torch allocator history)
+HISTORY_ENV = "GPUMEM_GPU_HISTORY"  # 1: record torch's CUDA allocator history for the GPU sites (set by the parent)
 ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the parent)
 
 _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
@@ -231,7 +232,8 @@ def main(argv: list[str]) -> None:
     tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root)
     if not switched_off(TRACK_ENV):
         tracker.start()  # before the target imports anything: the frameworks' own allocations count
-    _allocator = TorchAllocator(history=sites or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
+    history = sites and os.environ.get(HISTORY_ENV) == "1"
+    _allocator = TorchAllocator(history=history or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
     _allocator.install()  # costs nothing until torch is imported, starts no CUDA
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
     protocol.write_hello(workdir, rank)
