@@ -368,9 +368,10 @@ class Workspace:
                                selected=names)
         record = records[0]
         found = Measurement(record=record, raw=raw["tests"][0], selected=names)
-        if record.status in ("ERROR", "skip"):
+        errored = record.status == "failed" and record.cause not in ("limit", "xpass-strict")  # crash, baseline
+        if errored or record.status == "skipped":
             first = (record.messages[0] if record.messages else record.status).strip().splitlines()
-            found.problem = f"the test {'errors' if record.status == 'ERROR' else 'is skipped'}: " + (
+            found.problem = f"the test {'errors' if errored else 'is skipped'}: " + (
                 first[-1] if first else record.status)
         return found
 
@@ -549,9 +550,9 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
                        f"{', '.join(reference.selected)}; expected exactly one")
     if reference.problem is not None or reference.record is None:
         raise BadInput(f"GOOD {good.short} is not good: {reference.why_no_figure(args.nproc or 0)}")
-    if reference.record.status == "FAIL":
+    if reference.record.status == "failed" and reference.record.cause == "limit":
         raise BadInput(f"GOOD {good.short} is not good: its test fails there too: "
-                       f"{(reference.record.messages or ('FAIL',))[0]}; expected an older GOOD where it passes")
+                       f"{(reference.record.messages or ('failed',))[0]}; expected an older GOOD where it passes")
     test = reference.record.test
     tolerance = args.tolerance or parse_tolerance(reference.record.limits.tolerance)
     latest = space.measure(bad)

@@ -317,22 +317,23 @@ class ParentSide:
 
                 rec = TestRecord.from_json(json.loads(str(value)), report.nodeid)
                 if hasattr(report, "wasxfail"):
-                    rec = rec.with_status("XFAIL" if report.skipped else "XPASS")
+                    rec = rec.with_status("xfailed" if report.skipped else "xpassed")
+                elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it
+                    rec = rec.with_status("failed", "xpass-strict")
                 self.records.append(rec)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
-        from .presentation.report import refresh_lines, table
+        from .presentation.report import message_sections, refresh_lines, table
         records = sorted(self.records, key=lambda r: r.test)
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
             terminalreporter.write_line(line)
-        caught = [(r.test, r.status, m) for r in records for m in r.messages]
-        if caught:
-            terminalreporter.section("gpumem: limits exceeded")
-            for test, status, message in caught:
-                terminalreporter.write_line(f"{status} {test}: {message}")
+        for title, lines in message_sections(records):
+            terminalreporter.section(f"gpumem: {title}")
+            for line in lines:
+                terminalreporter.write_line(line)
         lines = refresh_lines(records)
         if lines:
             terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import processes_tagged
@@ -316,3 +318,31 @@ def test_marker_env_wins():
     result = pytester.runpytest("--gpumem", "--gpumem-fast-exit=false", "-p", "no:cacheprovider",
                                 "--gpumem-missing-baseline=ignore")
     result.assert_outcomes(passed=2)
+
+
+def test_the_record_says_what_pytest_says_of_xfail(pytester, launch_tag, tmp_path):
+    """xfailed, xpassed, and a strict xfail that passed: pytest fails it, and so does the record."""
+    report = tmp_path / "report.json"
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.xfail(reason="over")
+@pytest.mark.gpumem(nproc=1, max_mib=1)
+def test_xfailed():
+    pass
+
+@pytest.mark.xfail(reason="fixed since")
+@pytest.mark.gpumem(nproc=1)
+def test_xpassed():
+    pass
+
+@pytest.mark.xfail(strict=True, reason="fixed since")
+@pytest.mark.gpumem(nproc=1)
+def test_strict():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}")
+    result.assert_outcomes(xfailed=1, xpassed=1, failed=1)
+    got = {r["test"].split("::")[1]: (r["status"], r["cause"]) for r in json.loads(report.read_text())["tests"]}
+    assert got == {"test_xfailed": ("xfailed", "limit"), "test_xpassed": ("xpassed", None),
+                   "test_strict": ("failed", "xpass-strict")}

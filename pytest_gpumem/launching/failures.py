@@ -78,8 +78,7 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: Lau
     failures.sort(key=lambda item: (item[0], item[1]))
     found = [text for _, _, text in failures]
     if launch.timed_out and not any(rank in launch.stopped for _, rank, _ in failures):
-        found.insert(0, f"launch timed out after {ctx.timeout:g} s at nproc={launch.nproc} "
-                        f"(launcher {launch.launcher}); no rank had started the plugin's rank code")
+        found.insert(0, _timed_out(launch, ctx))
     if stopped:
         first = f"rank {failures[0][1]}" if failures else "another rank"
         found.extend(f"{who(launch, rank)}: stopped by pytest-gpumem after {first} failed "
@@ -98,6 +97,18 @@ def _how_stopped(launch: LaunchResult, rank: int) -> str:
     if launch.returncodes.get(rank) == -signal.SIGKILL:
         return "SIGTERM, then SIGKILL 3 s later"
     return "SIGTERM"
+
+
+def _timed_out(launch: LaunchResult, ctx: LaunchContext) -> str:
+    """A timeout no rank is to blame for by name: none had announced itself, or every one had
+    reported its result and still ran (stuck on its way out)."""
+    running = sorted(launch.stopped)
+    text = (f"launch timed out after {ctx.timeout:g} s at nproc={launch.nproc} (launcher {launch.launcher}); "
+            + (f"ranks still running after their result: {running}" if running
+               else "no rank had started the plugin's rank code"))
+    for rank, stack in sorted(launch.stacks.items()):
+        text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
+    return text
 
 
 def _hung(launch: LaunchResult, rank: int, ctx: LaunchContext) -> str:
