@@ -413,7 +413,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_nproc, help="the failing world size (default: the largest size "
                    "launched at BAD)")
     p.add_argument("--tolerance", metavar="TOL", type=_tolerance, help='growth allowed above GOOD\'s figure, '
-                   'e.g. "5%%+32MiB" (default: the test\'s own tolerance, as GOOD\'s report records it)')
+                   'e.g. "max(5%%, 32MiB)", the larger of the two (default: the test\'s own tolerance, as '
+                   'GOOD\'s report records it)')
     return p
 
 
