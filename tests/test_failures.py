@@ -77,3 +77,16 @@ def test_the_hint_names_who_set_the_pythonpath(tmp_path):
 def test_relative_pythonpath_entries_are_made_absolute_as_python_does():
     assert absolute_pythonpath(".:src::/abs/x", "/repo") == "/repo:/repo/src:/repo:/abs/x"
     assert absolute_pythonpath("src", None) == "src"
+
+
+def test_the_launchers_output_is_shown_once_for_ranks_without_a_log(tmp_path):
+    """torchrun that never started its ranks before the timeout: both ranks point at one copy."""
+    (tmp_path / "launcher.log").write_text("torchrun: starting\nReceived 15 death signal\n")
+    run = launch(nproc=2, launcher="torchrun", pids={}, end="timeout", timed_out=True, launcher_returncode=-9)
+    missing = {r: RankOutcome(r, "missing", "torchrun launcher killed by SIGKILL") for r in (0, 1)}
+    text = "\n".join(problems(run, missing, ctx(tmp_path)))
+    assert text.count("Received 15 death signal") == 1
+    assert text.splitlines()[0] == ("launch timed out after 60 s at nproc=2 (launcher torchrun); no rank had "
+                                    "started the plugin's rank code")
+    assert ("rank 1 of 2 ended without a result (torchrun launcher killed by SIGKILL) before the plugin's rank code "
+            "started; it left no log of its own (the launcher's output is above)") in text

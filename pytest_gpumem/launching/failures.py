@@ -72,7 +72,7 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: Lau
             failures.append((launch.duration_s, rank, _hung(launch, rank, ctx)))
             continue
         when = min(launch.failed_at.get(rank, math.inf), launch.ended_at.get(rank, math.inf))
-        text, used_launcher_log = _failed(launch, rank, outcome, ctx)
+        text, used_launcher_log = _failed(launch, rank, outcome, ctx, shown_launcher_log)
         shown_launcher_log |= used_launcher_log
         failures.append((when, rank, text))
     failures.sort(key=lambda item: (item[0], item[1]))
@@ -120,9 +120,10 @@ def _hung(launch: LaunchResult, rank: int, ctx: LaunchContext) -> str:
     return text
 
 
-def _failed(launch: LaunchResult, rank: int, outcome: RankOutcome, ctx: LaunchContext) -> tuple[str, bool]:
+def _failed(launch: LaunchResult, rank: int, outcome: RankOutcome, ctx: LaunchContext,
+            launcher_shown: bool = False) -> tuple[str, bool]:
     """The text of one rank that failed or ended without a result; and whether it shows the
-    launcher's output (then it is not repeated below)."""
+    launcher's output (shown once: with the first rank that left no log of its own)."""
     if outcome.outcome == "failed" and ctx.body_mode:  # the text is the rank's pytest report
         error = f" {outcome.error}" if outcome.error else ""
         return f"{who(launch, rank)} failed:{error}\n{outcome.text.rstrip()}", False
@@ -134,6 +135,8 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankOutcome, ctx: LaunchCo
     tail = launch.rank_log(ctx.workdir, rank)
     from_launcher = False
     if not tail and launch.launcher != "direct":  # the rank never opened its own log
+        if launcher_shown:
+            return head + "; it left no log of its own (the launcher's output is above)", False
         tail = _tail(ctx.workdir / "launcher.log", _LAUNCHER_LOG_LINES)
         from_launcher = bool(tail)
     if tail:
