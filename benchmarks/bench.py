@@ -342,7 +342,7 @@ def measure_plugin(cfg: Config, n: int, folder: Path, *, timeout: float, env_ext
     try:
         rec = json.loads(report.read_text())["tests"][0]
         per_launch = float(rec["sizes"][0]["duration_s"])
-        if rec["status"] != "pass":
+        if rec["status"] != "passed":
             code = code or 1
     except (OSError, ValueError, KeyError, IndexError):
         code = code or 1

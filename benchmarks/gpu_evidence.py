@@ -338,7 +338,7 @@ def leases(folder: Path, out: Path) -> list[str]:
     (out / "lease.log").write_text((lease_dir / "lease.log").read_text())
     return [f"leases: 8 one-GPU tests under -n 2: {len(events) // 2} leases, GPUs held by two tests at once: "
             f"{overlaps}, most GPUs busy at once: {concurrent}, "
-            f"passed {sum(r['status'] == 'pass' for r in rep2['tests'])}/8",
+            f"passed {sum(r['status'] == 'passed' for r in rep2['tests'])}/8",
             f"suite throughput: -n 0 {wall0:.1f} s, -n 2 {wall2:.1f} s, speed-up {wall0 / wall2:.2f}x"]
 
 

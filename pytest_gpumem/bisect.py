@@ -368,9 +368,10 @@ class Workspace:
                                selected=names)
         record = records[0]
         found = Measurement(record=record, raw=raw["tests"][0], selected=names)
-        if record.status in ("ERROR", "skip"):
+        errored = record.status == "failed" and record.cause not in ("limit", "xpass-strict")  # crash, baseline
+        if errored or record.status == "skipped":
             first = (record.messages[0] if record.messages else record.status).strip().splitlines()
-            found.problem = f"the test {'errors' if record.status == 'ERROR' else 'is skipped'}: " + (
+            found.problem = f"the test {'errors' if errored else 'is skipped'}: " + (
                 first[-1] if first else record.status)
         return found
 
@@ -412,7 +413,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_nproc, help="the failing world size (default: the largest size "
                    "launched at BAD)")
     p.add_argument("--tolerance", metavar="TOL", type=_tolerance, help='growth allowed above GOOD\'s figure, '
-                   'e.g. "5%%+32MiB" (default: the test\'s own tolerance, as GOOD\'s report records it)')
+                   'e.g. "max(5%%, 32MiB)", the larger of the two (default: the test\'s own tolerance, as '
+                   'GOOD\'s report records it)')
     return p
 
 
@@ -549,9 +551,9 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
                        f"{', '.join(reference.selected)}; expected exactly one")
     if reference.problem is not None or reference.record is None:
         raise BadInput(f"GOOD {good.short} is not good: {reference.why_no_figure(args.nproc or 0)}")
-    if reference.record.status == "FAIL":
+    if reference.record.status == "failed" and reference.record.cause == "limit":
         raise BadInput(f"GOOD {good.short} is not good: its test fails there too: "
-                       f"{(reference.record.messages or ('FAIL',))[0]}; expected an older GOOD where it passes")
+                       f"{(reference.record.messages or ('failed',))[0]}; expected an older GOOD where it passes")
     test = reference.record.test
     tolerance = args.tolerance or parse_tolerance(reference.record.limits.tolerance)
     latest = space.measure(bad)

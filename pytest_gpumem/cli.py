@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("old", type=Path, help="the reference report, e.g. from main (--gpumem-report)")
     diff.add_argument("new", type=Path, help="the report to judge, e.g. from the pull request")
     diff.add_argument("--tolerance", metavar="TOL",
-                      help='drift allowed above OLD, e.g. "5%%+32MiB" (default: each test\'s own tolerance)')
+                      help='drift allowed above OLD, e.g. "max(5%%, 32MiB)": the larger of the two (default: each '
+                           'test\'s own tolerance)')
     diff.add_argument("--markdown", metavar="PATH", type=Path, help="also write the comparison as Markdown here")
     diff.add_argument("--labels", nargs=2, metavar=("OLD", "NEW"), default=("old", "new"),
                       help="names of the two sides in the Markdown (default: old new)")

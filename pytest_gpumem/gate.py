@@ -51,6 +51,7 @@ class Gate:
         spec = test.spec
         test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
         problems = list(test.problems)
+        cause = "crash" if problems else None  # the first problem's kind is the test's cause
         notes = [note for run in test.runs for note in run.notes]
         notes += [note for result in test.results for note in result.sites_notes]
         warnings: list[str] = []
@@ -63,6 +64,8 @@ class Gate:
                 stored, filed = self._baselines(test, notes, problems, warnings)
             except BaselineError as exc:
                 problems.append(f"baseline file unusable (left untouched): {exc}")
+                cause = "baseline-error"
+            cause = cause or ("baseline-missing" if problems else None)
         if test.skip_reason is None and not problems:
             refs = {n: BaselineRef(e.gated_mib, spec.tolerance, e.allocated_mib, spec.allocated_tolerance)
                     for n, e in stored.items()}
@@ -72,6 +75,7 @@ class Gate:
                     changes = self._refresh(test)
                 except BaselineError as exc:
                     problems.append(f"baseline not refreshed (file left untouched): {exc}")
+                    cause = cause or "baseline-error"
         changed: list[str] = []
         if stored:
             size, entry = next(iter(stored.items()))
@@ -79,7 +83,10 @@ class Gate:
                 _with_legacy_model(entry, filed.get(size, "")), test.provenance)
             changed = list(dict.fromkeys(changed))
         grown = site_growth(test, verdict, stored) if verdict is not None and not verdict.passed else None
-        rec = build(test, verdict, _status(test, verdict, problems),
+        status = _status(test, verdict, problems)
+        if status == "failed" and cause is None:
+            cause = "limit"
+        rec = build(test, verdict, status, cause=cause if status == "failed" else None,
                     baselines={n: e.gated_mib for n, e in stored.items()},
                     allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
@@ -326,8 +333,9 @@ def _gated_method(result: SizeResult, rank: int | str) -> str:
 
 
 def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
+    """pytest's word for the test (record.STATUSES); the cause of a failure is decided beside it."""
     if test.skip_reason is not None:
-        return "skip"
+        return "skipped"
     if problems:
-        return "ERROR"
-    return "pass" if verdict is not None and verdict.passed else "FAIL"
+        return "failed"
+    return "passed" if verdict is not None and verdict.passed else "failed"

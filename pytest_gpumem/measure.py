@@ -179,9 +179,9 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)
     verdict = judge(spec, test.results) if test.results and not test.problems else None
-    status = ("skip" if test.skip_reason else "ERROR" if test.problems
-              else "pass" if verdict is not None and verdict.passed else "ERROR")
-    rec = build(test, verdict, status, messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
+    status, cause = _status(test.skip_reason, test.problems, verdict)
+    rec = build(test, verdict, status, cause=cause,
+                messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
     for line in scaling_table(rec):
         print(line)
     if args.report is not None:
@@ -192,11 +192,23 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         from .presentation import plots
 
         plots.plot_all([rec], args.plots)
-    if status == "pass":
+    if status in ("passed", "measured"):
         return 0
     for message in rec.messages or [str(c) for c in (verdict.failures if verdict else [])]:
         print(f"gpumem measure: {message}", file=sys.stderr)
     return 1
+
+
+def _status(skip_reason: str | None, problems: list[str], verdict: Any) -> tuple[str, str | None]:
+    """``measured`` where no limit was given (nothing was judged), ``passed`` where limits held."""
+    if skip_reason:
+        return "skipped", None
+    if problems or verdict is None:
+        return "failed", "crash"
+    if not verdict.passed:
+        return "failed", "limit"  # a size without a figure ("no peak could be measured")
+    judged = any(check.kind in ("max_mib", "max_ratio", "baseline") for check in verdict.checks)
+    return ("passed" if judged else "measured"), None
 
 
 def _no_pytest(test_id: str) -> list[str]:
@@ -233,5 +245,7 @@ def scaling_table(rec: TestRecord) -> list[str]:
     def line(row: Sequence[str]) -> str:
         return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
 
-    title = f"gpumem measure: {rec.test} ({rec.launcher} launcher): {rec.status}"
+    title = f"gpumem measure: {rec.test} ({rec.launcher} launcher): {rec.verdict}"
+    if rec.status == "measured":
+        title += " (no limits given: nothing judged)"
     return [title, line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]

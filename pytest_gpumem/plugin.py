@@ -320,22 +320,23 @@ class ParentSide:
 
                 rec = TestRecord.from_json(json.loads(str(value)), report.nodeid)
                 if hasattr(report, "wasxfail"):
-                    rec = rec.with_status("XFAIL" if report.skipped else "XPASS")
+                    rec = rec.with_status("xfailed" if report.skipped else "xpassed")
+                elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it
+                    rec = rec.with_status("failed", "xpass-strict")
                 self.records.append(rec)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
-        from .presentation.report import refresh_lines, table
+        from .presentation.report import message_sections, refresh_lines, table
         records = sorted(self.records, key=lambda r: r.test)
         terminalreporter.section("gpumem: peak memory per rank")
         for line in table(records):
             terminalreporter.write_line(line)
-        caught = [(r.test, r.status, m) for r in records for m in r.messages]
-        if caught:
-            terminalreporter.section("gpumem: limits exceeded")
-            for test, status, message in caught:
-                terminalreporter.write_line(f"{status} {test}: {message}")
+        for title, lines in message_sections(records):
+            terminalreporter.section(f"gpumem: {title}")
+            for line in lines:
+                terminalreporter.write_line(line)
         lines = refresh_lines(records)
         if lines:
             terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")
@@ -374,6 +375,13 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _crash_line(report: pytest.CollectReport | pytest.TestReport) -> str:
+    """The failure in one line, as pytest's short summary shows it (``RuntimeError: boom``)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = str(getattr(crash, "message", "") or "") or report.longreprtext
+    return next((line.strip() for line in message.splitlines() if line.strip()), "")
+
+
 class RankSide:
     """Inside a rank: run the test normally and write its outcome for the parent."""
 
@@ -384,11 +392,13 @@ class RankSide:
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
-            self._set("failed", f"collection error in the rank:\n{report.longreprtext}")
+            self._set("failed", f"collection error in the rank:\n{report.longreprtext}",
+                      f"collection error: {_crash_line(report)}")
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
-            self._set("failed", f"[{report.when}] {report.longreprtext}")
+            where = "" if report.when == "call" else f"in {report.when}: "
+            self._set("failed", f"[{report.when}] {report.longreprtext}", where + _crash_line(report))
         elif report.skipped and report.when in ("setup", "call"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self._set("skipped", reason)
@@ -413,11 +423,11 @@ class RankSide:
                 dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
                 watch.body_ended(dump)
 
-    def _set(self, outcome: str, text: str) -> None:
+    def _set(self, outcome: str, text: str, error: str = "") -> None:
         from .rankside import protocol
 
         if self.outcome is None or self.outcome.outcome != "failed":
-            self.outcome = protocol.RankResult(outcome, text)
+            self.outcome = protocol.RankResult(outcome, text, error)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         from .rankside import protocol  # the rank's files: loaded inside a rank only

@@ -246,10 +246,55 @@ def test_next():
     result = run_subprocess(pytester)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*launch timed out after 10 s at nproc=2 (launcher torchrun); ranks without a result: ?1?*",
+        "*rank 1 of 2 hung: no result when the launch timed out after 10 s at nproc=2 (launcher torchrun)*",
         "*rank 1 Python stack when the timeout hit*",
         "*in wait_for_peer*",
     ])
+    assert processes_tagged(launch_tag) == []
+
+
+# --- The rank that failed first is named first (issue 22) ----------------------------------------
+# A rank that raises, dies by a signal or hangs while its peer finishes: the failure and pytest's
+# short summary name that rank and its error first; the rank the plugin itself stopped comes last,
+# labelled so, never as a failure of its own.
+
+FIRST_FAILURES = {
+    "raises": ('''
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom in rank 1")
+    time.sleep(30)''', 60, "rank 1 of 2 failed: RuntimeError: boom in rank 1", True),
+    "segfaults": ('''
+    if os.environ["RANK"] == "1":
+        import ctypes
+        ctypes.string_at(0)  # a real segmentation fault: reads address 0
+    time.sleep(30)''', 60, "rank 1 of 2 ended without a result (killed by SIGSEGV); last lines of its output:", True),
+    "hangs": ('''
+    if os.environ["RANK"] == "1":
+        wait_for_peer()''', 6, "rank 1 of 2 hung: no result when the launch timed out after 6 s at nproc=2 "
+                               "(launcher direct)", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIRST_FAILURES))
+def test_the_rank_that_failed_first_is_named_first(pytester, launch_tag, monkeypatch, case):
+    body, timeout, first, rank0_stopped = FIRST_FAILURES[case]
+    pytester.makepyfile(test_first=HELPERS + f'''
+
+@pytest.mark.gpumem(nproc=2, timeout={timeout})
+def test_fault():{body}
+''' + NEXT)
+    monkeypatch.setenv("COLUMNS", "200")  # pytest trims the summary line to the terminal's width
+    result = run_subprocess(pytester, "-rf")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    section = out[out.index("_ test_fault _"):]
+    assert section.splitlines()[1] == first, section[:2000]
+    stopped = "rank 0 of 2: stopped by pytest-gpumem after rank 1 failed (SIGTERM)"
+    assert (stopped in section) == rank0_stopped
+    assert "rank 0 of 2 ended without a result" not in out and "rank 0 of 2 failed" not in out
+    if case == "hangs":
+        result.stdout.fnmatch_lines([first, "--- rank 1 Python stack when the timeout hit ---", "*in wait_for_peer*"])
+    assert f"FAILED test_first.py::test_fault - {first}" in out
     assert processes_tagged(launch_tag) == []
 
 
@@ -417,7 +462,8 @@ def test_port_taken():
 ''' + NEXT)
     result = run_inline(pytester)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*rank 0 of 2 failed:*", "*EADDRINUSE*"])
+    result.stdout.fnmatch_lines(["*rank 0 of 2 failed: *DistNetworkError*", "*EADDRINUSE*",
+                                 "*rank 1 of 2: stopped by pytest-gpumem after rank 0 failed (SIGTERM)*"])
     assert "timed out" not in result.stdout.str()
     assert processes_tagged(launch_tag) == [], "the squatter started by the rank is gone too"
 

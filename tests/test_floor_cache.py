@@ -149,7 +149,7 @@ def test_the_next_session_reuses_the_floor_and_says_it_is_cached(tmp_path, launc
     assert (floor.ranks, floor.cached) == (measured.ranks, stored[0]["measured"][:10])
     rendered = judge(second.spec, second.results).render()
     assert f"(floor: an empty job, torch start-up; cached, measured {floor.cached})" in rendered, rendered
-    record = build(second, judge(second.spec, second.results), "pass").to_json()
+    record = build(second, judge(second.spec, second.results), "passed").to_json()
     assert record["sizes"][0]["floor"]["cached"] == floor.cached
 
     _, launched = session(tmp_path, cache, refresh=True)  # --gpumem-floor=on: measured again, entry rewritten

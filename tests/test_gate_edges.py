@@ -99,29 +99,30 @@ def test_ratio_uses_the_reference_of_the_gated_rank():
 
 
 @pytest.mark.parametrize(
-    "tolerance, base, limit",
+    "tolerance, base, limit, shown",
     [
-        ("5%", 1000.0, 1050.0),
-        ("32MiB", 1000.0, 1032.0),
-        ("5%+32MiB", 1000.0, 1050.0),   # the percentage is larger here
-        ("5%+32MiB", 400.0, 432.0),     # the MiB part is larger here
-        ("1GiB", 1000.0, 2024.0),
-        ("0%", 1000.0, 1000.0),
+        ("5%", 1000.0, 1050.0, "5% (50.0 MiB)"),
+        ("32MiB", 1000.0, 1032.0, "32 MiB"),
+        ("max(5%, 32MiB)", 1000.0, 1050.0, "max(5% = 50.0, 32) MiB"),   # the percentage is larger here
+        ("max(5%, 32MiB)", 400.0, 432.0, "max(5% = 20.0, 32) MiB"),     # the MiB part is larger here
+        ("5%+32MiB", 400.0, 432.0, "max(5% = 20.0, 32) MiB"),           # the old spelling: the same
+        ("1GiB", 1000.0, 2024.0, "1024 MiB"),
+        ("0%", 1000.0, 1000.0, "0% (0.0 MiB)"),
     ],
 )
-def test_baseline_edge(tolerance, base, limit):
+def test_baseline_edge(tolerance, base, limit, shown):
     tol = parse_tolerance(tolerance)
     refs = {2: BaselineRef(base, tol)}
     at = judge(spec(nproc=2), [result(2, limit)], refs)
     above = judge(spec(nproc=2), [result(2, limit + JUST)], refs)
     assert kinds(at) == [("baseline", 2, True)] and kinds(above) == [("baseline", 2, False)]
     assert at.checks[0].limit_mib == limit
-    assert f"baseline {base:.1f} MiB + tolerance {tol} = {limit:.1f} MiB" in str(above.failures[0])
+    assert f"baseline {base:.1f} MiB + {shown} = {limit:.1f} MiB" in str(above.failures[0])
 
 
 @pytest.mark.parametrize(
     "tolerance, base, floor",
-    [("5%", 1000.0, 950.0), ("32MiB", 1000.0, 968.0), ("5%+32MiB", 400.0, 368.0), ("0%", 1000.0, 1000.0)],
+    [("5%", 1000.0, 950.0), ("32MiB", 1000.0, 968.0), ("max(5%, 32MiB)", 400.0, 368.0), ("0%", 1000.0, 1000.0)],
 )
 def test_improvement_note_edge(tolerance, base, floor):
     refs = {2: BaselineRef(base, parse_tolerance(tolerance))}
@@ -130,7 +131,8 @@ def test_improvement_note_edge(tolerance, base, floor):
     assert at.passed and below.passed
     assert at.notes == ()
     assert len(below.notes) == 1
-    assert f"is below the baseline {base:.1f} MiB by more than {tolerance}; refresh the baseline" in below.notes[0]
+    shown = parse_tolerance(tolerance).explain(base)
+    assert f"is below the baseline {base:.1f} MiB by more than {shown}; refresh the baseline" in below.notes[0]
 
 
 def test_baselines_only_for_requested_sizes_and_notes_kept():
@@ -154,7 +156,7 @@ def test_the_one_rule(measured, kind):
 
 def report(mib: float, tolerance: str = "5%") -> list[TestRecord]:
     size = SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=mib)
-    return [TestRecord("t.py::test", "pass", (2,), limits=Limits(tolerance=tolerance or str(DEFAULT_TOLERANCE)),
+    return [TestRecord("t.py::test", "passed", (2,), limits=Limits(tolerance=tolerance or str(DEFAULT_TOLERANCE)),
                        sizes=(size,))]
 
 
@@ -278,8 +280,8 @@ def test_the_whole_rendering_of_a_failing_verdict():
         "  nproc=2 cpu MiB per rank {0: 600.0, 1: n/a} [high-water mark, not available]",
         "  nproc=4 gpu MiB per rank {0: 900.0, 1: 901.0, 2: 902.0, 3: 903.0} [per-pid sampled]",
         "  note: a note",
-        "  note: rank 3 (largest) at nproc=4: peak 903.0 MiB is below the baseline 1000.0 MiB by more than 5%;"
-        " refresh the baseline to tighten it",
+        "  note: rank 3 (largest) at nproc=4: peak 903.0 MiB is below the baseline 1000.0 MiB by more than "
+        "5% (50.0 MiB); refresh the baseline to tighten it",
     ]
 
 
@@ -302,8 +304,11 @@ def test_the_rendering_of_a_passing_verdict_and_of_unmeasured_ranks():
 @pytest.mark.parametrize(
     "text, shown, percent, mib",
     [("5%", "5%", 5.0, None), ("256MiB", "256MiB", None, 256.0), ("1GiB", "1024MiB", None, 1024.0),
-     ("5%+32MiB", "5%+32MiB", 5.0, 32.0), (" 2.5 % , 1.5 GiB ", "2.5%+1536MiB", 2.5, 1536.0),
-     (["10%", "64MiB"], "10%+64MiB", 10.0, 64.0)],
+     ("max(5%, 32MiB)", "max(5%, 32MiB)", 5.0, 32.0), ("max(32MiB,5%)", "max(5%, 32MiB)", 5.0, 32.0),
+     (" max ( 2.5 % , 1.5 GiB ) ", "max(2.5%, 1536MiB)", 2.5, 1536.0),
+     # the older spellings of the same: a sum sign, a comma, a list
+     ("5%+32MiB", "max(5%, 32MiB)", 5.0, 32.0), (" 2.5 % , 1.5 GiB ", "max(2.5%, 1536MiB)", 2.5, 1536.0),
+     (["10%", "64MiB"], "max(10%, 64MiB)", 10.0, 64.0)],
 )
 def test_tolerance_parsed_and_shown(text, shown, percent, mib):
     tol = parse_tolerance(text)
@@ -312,16 +317,18 @@ def test_tolerance_parsed_and_shown(text, shown, percent, mib):
 
 
 def test_no_tolerance_is_zero():
-    assert str(Tolerance()) == "0" and Tolerance().allowance(1000.0) == 0.0
+    assert str(Tolerance()) == "0" and Tolerance().allowance(1000.0) == 0.0 and Tolerance().explain(1000.0) == "0 MiB"
 
 
 @pytest.mark.parametrize(
     "value, message",
-    [(5, 'tolerance=5 is not accepted: expected a string like "5%", "256MiB" or "5%+256MiB"'),
-     ("-5%", "tolerance='-5%' is not accepted: expected a string like \"5%\", \"256MiB\" or \"5%+256MiB\" "
-             "(non-negative)"),
+    [(5, 'tolerance=5 is not accepted: expected a string like "5%", "256MiB" or "max(5%, 256MiB)" (the larger '
+         'of the two)'),
+     ("-5%", "tolerance='-5%' is not accepted: expected a string like \"5%\", \"256MiB\" or \"max(5%, 256MiB)\" "
+             "(the larger of the two) (non-negative)"),
      ("5", "tolerance='5' is not accepted"), ("5 MB", "tolerance='5 MB' is not accepted"),
-     ("5%+", "tolerance='5%+' is not accepted")],
+     ("5%+", "tolerance='5%+' is not accepted"), ("max(5%, 32MiB", "tolerance='max(5%, 32MiB' is not accepted"),
+     ("min(5%, 32MiB)", "tolerance='min(5%, 32MiB)' is not accepted"), ("max()", "tolerance='max()' is not accepted")],
 )
 def test_tolerance_refused_naming_what_is_accepted(value, message):
     from pytest_gpumem.config.spec import SpecError

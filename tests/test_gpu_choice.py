@@ -81,7 +81,7 @@ def test_host_allocations_are_tracked_where_the_host_figure_is_gated_or_asked_fo
         test = run(tmp_path, FakeNvml([busy_gpu()]), **option, **marker)
         assert not test.problems, name
         assert test.results[0].host_peaks[0].method == method, name
-        size = build(test, judge(test.spec, test.results), "pass").sizes[0]
+        size = build(test, judge(test.spec, test.results), "passed").sizes[0]
         assert (0 in size.host_ranks) == (method == TRACKED), name  # the record's live allocations: tracked only
         assert size.rss_ranks[0] > 0, name  # VmHWM, information, always
     # and where no GPU was leased, the host figure is gated: tracked unless switched off

@@ -45,7 +45,9 @@ def test_measure_prints_the_scaling_table_of_a_script_and_leaves_nothing(tmp_pat
                   cwd=REPO, tmp=private_tmp, tag=launch_tag)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "gpumem measure: examples/train_net.py --steps 2 (direct launcher): pass"
+    # No limit was given: nothing was judged, and nothing says "pass".
+    assert lines[0] == ("gpumem measure: examples/train_net.py --steps 2 (direct launcher): measured "
+                        "(no limits given: nothing judged)")
     assert lines[1].split()[:3] == ["nproc", "gated", "MiB"]
     rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in lines[3:])}
     assert sorted(rows) == ["1", "2", "4 (predicted)"]
@@ -54,6 +56,8 @@ def test_measure_prints_the_scaling_table_of_a_script_and_leaves_nothing(tmp_pat
     assert rows["4 (predicted)"][6] == "cpu, predicted by a + b*N from nproc 1,2; LOO error n/a: two sizes"
     records = load_report(report)  # the plugin's format: gpumem diff reads it
     assert [(s.nproc, s.predicted) for s in records[0].sizes] == [(1, False), (2, False), (4, True)]
+    assert (records[0].status, records[0].cause) == ("measured", None)
+    assert "| measured |" in markdown.read_text() and "pass" not in markdown.read_text()
     assert len(records[0].sizes[1].ranks) == 2
     assert "**predicted**" in markdown.read_text()
     # The launch folders are gone (torch itself may leave its compile cache folder there).

@@ -41,9 +41,11 @@ def size(nproc: int, gated: float | None, baseline: float | None = None, *, rati
 
 def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None = None,
         tolerance: str = "5%+32MiB", rank: int | str = 0, max_mib: float | None = None) -> TestRecord:
+    """``status`` as pytest says it, a failure with its cause: ``failed/limit``, ``xfailed/limit``, ``failed/crash``."""
+    status, _, cause = status.partition("/")
     return TestRecord(test=test, status=status, nproc=tuple(s.nproc for s in sizes) or (2,),
                       limits=Limits(max_mib=max_mib, max_ratio=1.2, allow_mib=16.0, rank=rank, tolerance=tolerance),
-                      sizes=sizes, messages=tuple(messages or ()))
+                      sizes=sizes, messages=tuple(messages or ()), cause=cause or None)
 
 
 @pytest.fixture(scope="module")
@@ -53,24 +55,25 @@ def real() -> list[TestRecord]:
 
 def mixed() -> list[TestRecord]:
     return [
-        rec("t/a.py::test_pass", "pass", size(1, 500.0, 500.0), size(2, 530.0, 500.0, ratio=1.06)),
-        rec("t/b.py::test_fail", "FAIL", size(1, 1000.0, 1000.0), size(8, 2650.0, 1100.0, ratio=2.65, failed=True),
+        rec("t/a.py::test_pass", "passed", size(1, 500.0, 500.0), size(2, 530.0, 500.0, ratio=1.06)),
+        rec("t/b.py::test_fail", "failed/limit", size(1, 1000.0, 1000.0),
+            size(8, 2650.0, 1100.0, ratio=2.65, failed=True),
             messages=["rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x 1000.0 MiB\nsecond line"]),
-        rec("t/c.py::test_xfail", "XFAIL", size(2, 700.0, ratio=1.4, failed=True), messages=["expected"]),
-        rec("t/a.py::test_error", "ERROR"),
-        rec("t/e.py::test_skip", "skip"),
-        rec("t/f.py::test_xpass", "XPASS", size(2, 300.0, 300.0)),
+        rec("t/c.py::test_xfail", "xfailed/limit", size(2, 700.0, ratio=1.4, failed=True), messages=["expected"]),
+        rec("t/a.py::test_error", "failed/crash"),
+        rec("t/e.py::test_skip", "skipped"),
+        rec("t/f.py::test_xpass", "xpassed", size(2, 300.0, 300.0)),
     ]
 
 
 # ---------------------------------------------------------------------------------------------- Markdown
 
 
-def test_markdown_headline_counts_regressions_first():
+def test_markdown_headline_counts_failures_first_in_pytests_words():
     text = outputs.markdown(mixed())
-    assert text.splitlines()[0] == ("❌ **pytest-gpumem**: 1 regression, 1 error, 1 unexpected pass, "
-                                    "1 expected failure, 1 passed, 1 skipped")
-    assert outputs.markdown([rec("x::ok", "pass", size(1, 1.0))]).startswith("✅ **pytest-gpumem**: 1 passed")
+    assert text.splitlines()[0] == ("❌ **pytest-gpumem**: 2 failed (1 limit, 1 crash), 1 xpassed, 1 xfailed, "
+                                    "1 passed, 1 skipped")
+    assert outputs.markdown([rec("x::ok", "passed", size(1, 1.0))]).startswith("✅ **pytest-gpumem**: 1 passed")
     assert "no gpumem test ran" in outputs.markdown([])
 
 
@@ -80,14 +83,16 @@ def test_markdown_rows_regressions_then_xfail_xpass_then_the_rest():
     assert tests == ["t/a.py::test_error", "t/b.py::test_fail", "t/b.py::test_fail",
                      "t/c.py::test_xfail", "t/f.py::test_xpass",
                      "t/a.py::test_pass", "t/a.py::test_pass", "t/e.py::test_skip"]
-    # A size that passed inside a failing test says "ok"; the failing size says FAIL.
-    assert rows[1].endswith("| ok |") and rows[2].endswith("| ❌ FAIL |")
+    # A size that passed inside a failing test says "ok"; the failing size says failed, and on what.
+    assert rows[1].endswith("| ok |") and rows[2].endswith("| ❌ failed (limit) |")
+    assert rows[0].endswith("| ❌ failed (crash) |") and rows[3].endswith("| xfailed (limit) |")
+    assert rows[4].endswith("| ⚠️ xpassed |") and rows[7].endswith("| skipped |")
 
 
 def test_markdown_delta_against_baseline_and_ratio():
     text = outputs.markdown(mixed())
     row = next(line for line in text.splitlines() if "test_pass` | 2 |" in line)
-    assert "| 530.0 (rank 0, gpu) | 500.0 | +30.0 MiB (+6.0%) | 1.06x | ✅ pass |" in row
+    assert "| 530.0 (rank 0, gpu) | 500.0 | +30.0 MiB (+6.0%) | 1.06x | ✅ passed |" in row
     row = next(line for line in text.splitlines() if "test_fail` | 8 |" in line)
     assert "+1550.0 MiB (+140.9%)" in row and "2.65x" in row
     assert outputs.format_delta(outputs.delta(480.0, 500.0)) == "-20.0 MiB (-4.0%)"
@@ -95,24 +100,27 @@ def test_markdown_delta_against_baseline_and_ratio():
     assert outputs.delta(10.0, None) is None
 
 
-def test_markdown_lists_messages_with_continuation_lines_indented():
+def test_markdown_lists_messages_under_their_cause_with_continuation_lines_indented():
     text = outputs.markdown(mixed())
-    assert ("- **FAIL** `t/b.py::test_fail`: rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x 1000.0 MiB\n"
-            "  second line") in text
-    assert "- **ERROR** `t/a.py::test_error`: no measurement" in text
-    assert text.index("**Limits exceeded**") > text.index("| `t/e.py::test_skip`")
+    limits, crashes = text.index("**Limits exceeded**"), text.index("**Crashed or hung**")
+    assert limits > text.index("| `t/e.py::test_skip`")
+    failed = text.index("- **failed** `t/b.py::test_fail`: rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x "
+                        "1000.0 MiB\n  second line")
+    assert limits < failed < crashes and limits < text.index("- **xfailed** `t/c.py::test_xfail`: expected") < crashes
+    assert crashes < text.index("- **failed** `t/a.py::test_error`: no measurement")
 
 
 def test_markdown_escapes_pipes_in_parametrized_ids():
-    text = outputs.markdown([rec("t.py::test_p[a|b]", "pass", size(1, 1.0))])
+    text = outputs.markdown([rec("t.py::test_p[a|b]", "passed", size(1, 1.0))])
     row = next(line for line in text.splitlines() if line.startswith("| `"))
     assert "`t.py::test_p[a\\|b]`" in row
     assert row.count(" | ") == 6  # seven cells, the id's pipe does not split one
 
 
 def test_markdown_stays_under_the_comment_limit_dropping_passing_rows_first():
-    many = [rec(f"t/big.py::test_{i:04d}", "pass", size(1, 100.0, 100.0)) for i in range(500)]
-    records = many + [rec("t/z.py::test_regressed", "FAIL", size(1, 900.0, 100.0, failed=True), messages=["grew"])]
+    many = [rec(f"t/big.py::test_{i:04d}", "passed", size(1, 100.0, 100.0)) for i in range(500)]
+    records = many + [rec("t/z.py::test_regressed", "failed/limit", size(1, 900.0, 100.0, failed=True),
+                          messages=["grew"])]
     text = outputs.markdown(records, max_chars=5000)
     assert len(text) <= 5000
     assert "t/z.py::test_regressed" in text.split("**Limits exceeded**")[0]  # its row survived
@@ -121,10 +129,10 @@ def test_markdown_stays_under_the_comment_limit_dropping_passing_rows_first():
 
 def test_markdown_of_the_real_report(real):
     text = outputs.markdown(real)
-    assert text.startswith("✅ **pytest-gpumem**: 1 expected failure, 1 passed")
+    assert text.startswith("✅ **pytest-gpumem**: 1 xfailed, 1 passed")
     assert text.index(INFLATED) < text.index(HEALTHY + "`")
     assert "(rank 0, cpu)" in text and f"{real[1].sizes[1].ratio:.2f}x" in text
-    assert f"- **XFAIL** `{INFLATED}`: rank 0 at nproc=2 (cpu)" in text
+    assert f"- **xfailed** `{INFLATED}`: rank 0 at nproc=2 (cpu)" in text
 
 
 # ---------------------------------------------------------------------------------------------- benchmark
@@ -144,9 +152,9 @@ def test_benchmark_json_is_custom_smaller_is_better(real):
 
 def test_benchmark_json_names_stay_stable_and_skip_unmeasured():
     records = [
-        rec("t::all", "pass", size(2, 900.0, rank=1, largest=True), rank="all"),
-        rec("t::crashed", "ERROR", size(2, 12.0)),
-        rec("t::half", "FAIL", size(1, None), size(2, 50.0)),
+        rec("t::all", "passed", size(2, 900.0, rank=1, largest=True), rank="all"),
+        rec("t::crashed", "failed/crash", size(2, 12.0)),
+        rec("t::half", "failed/limit", size(1, None), size(2, 50.0)),
     ]
     entries = outputs.benchmark_json(records)
     assert [e["name"] for e in entries] == ["t::all nproc=2 rank all", "t::half nproc=2 rank 0"]
@@ -160,7 +168,7 @@ def test_junit_properties_per_size():
     props = outputs.junit_properties(mixed()[1])
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in props)
     got = dict(props)
-    assert got["gpumem_status"] == "FAIL"
+    assert got["gpumem_status"] == "failed" and got["gpumem_cause"] == "limit"
     assert got["gpumem_nproc"] == "1,8"
     assert got["gpumem_device"] == "gpu"
     assert got["gpumem_method"] == "per-pid sampled"
@@ -173,8 +181,9 @@ def test_junit_properties_per_size():
 
 
 def test_junit_properties_of_an_unmeasured_test():
-    assert dict(outputs.junit_properties(rec("t::e", "ERROR"))) == {
-        "gpumem_status": "ERROR", "gpumem_nproc": "2", "gpumem_device": "-", "gpumem_method": "-", "gpumem_rank": "0"}
+    assert dict(outputs.junit_properties(rec("t::e", "failed/crash"))) == {
+        "gpumem_status": "failed", "gpumem_cause": "crash", "gpumem_nproc": "2", "gpumem_device": "-",
+        "gpumem_method": "-", "gpumem_rank": "0"}
 
 
 def test_junit_properties_land_in_junit_xml(pytester, real):
@@ -187,7 +196,7 @@ def test_x(record_property):
     pytester.runpytest("-p", "no:cacheprovider", "--junitxml=junit.xml").assert_outcomes(passed=1)
     root = ET.parse(pytester.path / "junit.xml").getroot()
     found = {p.get("name"): p.get("value") for p in root.iter("property")}
-    assert found["gpumem_status"] == "pass"
+    assert found["gpumem_status"] == "passed" and "gpumem_cause" not in found
     assert found["gpumem_nproc2_gated_mib"] == f"{real[0].sizes[1].gated_mib:.2f}"
 
 
@@ -209,12 +218,12 @@ def test_plot_writes_a_png_per_test(real, tmp_path):
 def test_plot_copes_with_missing_samples_and_limits(tmp_path):
     pytest.importorskip("matplotlib")
     bare = dataclasses.replace(size(2, None, device="cpu"), timeline=(), checks=())
-    record = rec("t::odd[a/b|c]", "ERROR", bare, size(4, 900.0, 800.0, ratio=None, failed=True), max_mib=850.0)
+    record = rec("t::odd[a/b|c]", "failed/crash", bare, size(4, 900.0, 800.0, ratio=None, failed=True), max_mib=850.0)
     path = tmp_path / plots.plot_filename(record.test)
     plots.plot(record, path)
     assert path.read_bytes()[:8] == PNG_MAGIC
     assert "/" not in path.name and "|" not in path.name
-    assert plots.plot_all([rec("t::skipped", "skip")], tmp_path) == []  # nothing measured, no file
+    assert plots.plot_all([rec("t::skipped", "skipped")], tmp_path) == []  # nothing measured, no file
 
 
 def test_plots_without_matplotlib_say_how_to_install(monkeypatch, tmp_path):
@@ -232,22 +241,22 @@ def test_plots_without_matplotlib_say_how_to_install(monkeypatch, tmp_path):
 
 def test_compare_classifies_every_size():
     old = [
-        rec("t::grew", "pass", size(1, 1000.0)),
-        rec("t::within", "pass", size(1, 1000.0)),
-        rec("t::shrank", "pass", size(1, 1000.0)),
-        rec("t::gone", "pass", size(2, 10.0)),
-        rec("t::sizes", "pass", size(1, 10.0), size(2, 20.0)),
-        rec("t::moved", "pass", size(1, 10.0, device="cpu")),
-        rec("t::crash", "pass", size(1, 10.0)),
+        rec("t::grew", "passed", size(1, 1000.0)),
+        rec("t::within", "passed", size(1, 1000.0)),
+        rec("t::shrank", "passed", size(1, 1000.0)),
+        rec("t::gone", "passed", size(2, 10.0)),
+        rec("t::sizes", "passed", size(1, 10.0), size(2, 20.0)),
+        rec("t::moved", "passed", size(1, 10.0, device="cpu")),
+        rec("t::crash", "passed", size(1, 10.0)),
     ]
     new = [
-        rec("t::grew", "pass", size(1, 1050.1)),   # 5% of 1000 = 50 > 32: allowance 50
-        rec("t::within", "pass", size(1, 1050.0)),
-        rec("t::shrank", "pass", size(1, 900.0)),
-        rec("t::new", "pass", size(2, 10.0)),
-        rec("t::sizes", "pass", size(1, 10.0), size(4, 40.0)),
-        rec("t::moved", "pass", size(1, 500.0, device="gpu")),
-        rec("t::crash", "ERROR", size(1, None)),
+        rec("t::grew", "passed", size(1, 1050.1)),   # 5% of 1000 = 50 > 32: allowance 50
+        rec("t::within", "passed", size(1, 1050.0)),
+        rec("t::shrank", "passed", size(1, 900.0)),
+        rec("t::new", "passed", size(2, 10.0)),
+        rec("t::sizes", "passed", size(1, 10.0), size(4, 40.0)),
+        rec("t::moved", "passed", size(1, 500.0, device="gpu")),
+        rec("t::crash", "failed/crash", size(1, None)),
     ]
     diff = outputs.compare(old, new)
     kinds = {(r.test, r.nproc): r.kind for r in diff.rows}
@@ -265,8 +274,8 @@ def test_compare_classifies_every_size():
 
 
 def test_compare_tolerance_is_the_tests_own_unless_overridden():
-    old, new = ([rec("t::a", "pass", size(1, 100.0), tolerance="1%")],
-                [rec("t::a", "pass", size(1, 110.0), tolerance="1%")])
+    old, new = ([rec("t::a", "passed", size(1, 100.0), tolerance="1%")],
+                [rec("t::a", "passed", size(1, 110.0), tolerance="1%")])
     assert outputs.compare(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
     assert outputs.compare(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
     assert outputs.compare(old, new, "5%").rows[0].kind == "regression"
@@ -300,7 +309,7 @@ def reports(tmp_path) -> dict[str, Path]:
 def test_diff_cli_exit_codes(reports, capsys, tmp_path):
     assert cli.main(["diff", str(reports["real"]), str(reports["real"])]) == 0
     out = capsys.readouterr().out
-    assert "gpumem diff: 4 unchanged" in out and "2%+8MiB" in out  # the examples' own tolerance
+    assert "gpumem diff: 4 unchanged" in out and "(max(2%, 8MiB))" in out  # the examples' own tolerance
 
     md = tmp_path / "out" / "diff.md"
     assert cli.main(["diff", str(reports["real"]), str(reports["inflated"]), "--markdown", str(md),
@@ -318,7 +327,7 @@ def test_diff_cli_exit_codes(reports, capsys, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "missing.json: cannot read: No such file or directory"),
     ("not_json", "not.json: not JSON: "),
-    ("schema", "schema.json: schema: expected 1, 2 or 3 (a pytest --gpumem-report file), got 7"),
+    ("schema", "schema.json: schema: expected 1 to 4 (a pytest --gpumem-report file), got 7"),
     ("bad_field", "bad_field.json: tests[1].sizes[0].gated_mib: expected a finite number or null, got 'lots'"),
 ])
 def test_diff_cli_bad_input_names_the_file(reports, capsys, case, message):
@@ -340,7 +349,7 @@ def test_diff_as_a_command(reports):
     regressed = run(reports["real"], reports["inflated"])
     assert regressed.returncode == 1 and "1 regression" in regressed.stdout
     broken = run(reports["schema"], reports["real"])
-    assert broken.returncode == 2 and "schema.json: schema: expected 1, 2 or 3" in broken.stderr
+    assert broken.returncode == 2 and "schema.json: schema: expected 1 to 4" in broken.stderr
 
 
 # ---------------------------------------------------------------------------------------------- peak sites
@@ -361,13 +370,13 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
                                                   _site("examples/a.py:62", 10.0))})
     grown = tuple(SiteChange(f"examples/a.py:{line} train_step", 0.0, mib) for line, mib in
                   ((57, 256.0), (60, 100.0), (61, 20.0), (62, 10.0)))
-    failing = replace(rec("t/a.py::test_x", "FAIL", new_size, messages=["over"]), grown_sites=grown,
+    failing = replace(rec("t/a.py::test_x", "failed/limit", new_size, messages=["over"]), grown_sites=grown,
                       grown_against="nproc=1")
     text = outputs.markdown([failing])
     assert ("  - peak sites that grew since nproc=1: `+256.0 MiB  examples/a.py:57 train_step  (new)`, "
             "`+100.0 MiB  examples/a.py:60 train_step  (new)`, `+20.0 MiB  examples/a.py:61 train_step  (new)`") in text
     assert "a.py:62" not in text
-    diff = outputs.compare([rec("t/a.py::test_x", "pass", old_size)], [failing])
+    diff = outputs.compare([rec("t/a.py::test_x", "passed", old_size)], [failing])
     assert diff.regressions[0].sites[:2] == ("+256.0 MiB  examples/a.py:57 train_step  (new)",
                                              "+100.0 MiB  examples/a.py:60 train_step  (new)")
     table = outputs.diff_table(diff)
@@ -382,7 +391,7 @@ def test_the_allocator_figure_is_in_every_output():
 
     base = replace(size(1, 14370.0), allocated_mib=7765.06, allocated_baseline_mib=7765.06)
     grown = replace(size(1, 13982.0), allocated_mib=7905.0)  # the cache shrank, the tensors grew 1.8%
-    old, new = rec("t/f.py::test_fsdp", "pass", base), rec("t/f.py::test_fsdp", "FAIL", grown)
+    old, new = rec("t/f.py::test_fsdp", "passed", base), rec("t/f.py::test_fsdp", "failed/limit", grown)
     assert "14370.0 (rank 0, gpu); allocated 7765.1" in outputs.markdown([old])
     props = dict(outputs.junit_properties(old))
     assert props["gpumem_nproc1_allocated_mib"] == "7765.06" and props["gpumem_nproc1_allocated_baseline_mib"]
@@ -391,3 +400,37 @@ def test_the_allocator_figure_is_in_every_output():
     diff = outputs.compare([old], [new])
     assert [(r.figure, r.kind) for r in diff.rows] == [("allocated", "regression"), ("", "unchanged")]
     assert any("1 allocated" in line and "REGRESSION" in line for line in outputs.diff_table(diff))
+
+
+# ---------------------------------------------------------------------------------------------- the floor
+
+
+def test_the_floor_is_shown_as_floor_plus_job_wherever_it_was_measured():
+    """CPU or GPU alike (--gpumem-floor): the table and the Markdown split the gated figure; without
+    a floor neither grows a column."""
+    from pytest_gpumem.judging.record import FloorRecord
+    from pytest_gpumem.presentation.report import table
+
+    floored = dataclasses.replace(size(2, 530.0, device="cpu"),
+                                  floor=FloorRecord("torch", "torch start-up + communicator", {0: 180.5, 1: 181.0}))
+    records = [rec("t::floored", "passed", floored), rec("t::plain", "passed", size(1, 100.0))]
+    lines = table(records)
+    assert "floor + job MiB" in lines[0]
+    assert "180.5 + 349.5" in next(line for line in lines if line.startswith("t::floored"))
+    assert any(line.startswith("floor: what an empty job") for line in lines)
+    text = outputs.markdown(records)
+    assert "| floor + job MiB |" in text and "| 180.5 + 349.5 |" in text
+    assert "floor + job" not in "\n".join(table(records[1:])) + outputs.markdown(records[1:])
+
+
+def test_terminal_lists_crashes_and_limits_under_their_own_headings_in_pytests_words():
+    from pytest_gpumem.presentation.report import message_sections, table
+
+    assert message_sections(mixed()) == [  # the crashed test of mixed() has no message: no heading of its own
+        ("limits exceeded", ["failed t/b.py::test_fail: rank 0 at nproc=8 (gpu): peak 2650.0 MiB > 1.20 x 1000.0 "
+                             "MiB\nsecond line", "xfailed t/c.py::test_xfail: expected"])]
+    crashed = rec("t/a.py::test_error", "failed/crash", size(2, 12.0), messages=["rank 1 of 2 failed: RuntimeError"])
+    assert message_sections([crashed]) == [("ranks that failed", ["failed t/a.py::test_error: rank 1 of 2 failed: "
+                                                                  "RuntimeError"])]
+    row = next(line for line in table([crashed]) if line.startswith("t/a.py::test_error"))
+    assert row.endswith("failed (crash)") and "ERROR" not in row

@@ -46,7 +46,7 @@ def test_report_junit_markdown_plots_and_benchmark(pytester, launch_tag, monkeyp
         "test_suite.py::test_ok[0]", "test_suite.py::test_ok[1]", "test_suite.py::test_ok[2]",
         "test_suite.py::test_over_cap"]
     over = report["tests"][3]
-    assert over["status"] == "FAIL" and over["sizes"][0]["gated_mib"] > 100
+    assert over["status"] == "failed" and over["cause"] == "limit" and over["sizes"][0]["gated_mib"] > 100
     assert set(over["sizes"][0]["ranks"]) == {"0", "1"} and over["sizes"][0]["timeline"]
 
     cases = {c.get("name"): c for c in ET.parse(out / "junit.xml").getroot().iter("testcase")}

@@ -84,7 +84,7 @@ def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
         timeline=((0.0, {0: 612.0}), (1.0, {0: 14370.0}), (2.0, {0: 14000.0})),
         allocated_ranks={0: AllocatedRecord(7905.0, 12876.0)}, allocated_mib=7905.0, allocated_baseline_mib=7765.1,
         live_timeline=((0.5, {0: 100.0}), (1.1, {0: 7905.0}), (1.9, {0: 2000.0})))
-    record = TestRecord(test="t.py::test_fsdp", status="FAIL", nproc=(1,), sizes=(size,))
+    record = TestRecord(test="t.py::test_fsdp", status="failed", cause="limit", nproc=(1,), sizes=(size,))
     figure, canvas = plots._matplotlib()
     fig = figure()
     canvas(fig)

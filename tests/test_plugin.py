@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import processes_tagged
@@ -128,7 +130,7 @@ def test_next_one_runs():
     result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*launch timed out after 4 s at nproc=2 (launcher direct); ranks without a result: ?1?*",
+        "*rank 1 of 2 hung: no result when the launch timed out after 4 s at nproc=2 (launcher direct)*",
         "*rank 1 Python stack when the timeout hit*",
         "*in wait_for_peer*",
     ])
@@ -316,3 +318,31 @@ def test_marker_env_wins():
     result = pytester.runpytest("--gpumem", "--gpumem-fast-exit=false", "-p", "no:cacheprovider",
                                 "--gpumem-missing-baseline=ignore")
     result.assert_outcomes(passed=2)
+
+
+def test_the_record_says_what_pytest_says_of_xfail(pytester, launch_tag, tmp_path):
+    """xfailed, xpassed, and a strict xfail that passed: pytest fails it, and so does the record."""
+    report = tmp_path / "report.json"
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.xfail(reason="over")
+@pytest.mark.gpumem(nproc=1, max_mib=1)
+def test_xfailed():
+    pass
+
+@pytest.mark.xfail(reason="fixed since")
+@pytest.mark.gpumem(nproc=1)
+def test_xpassed():
+    pass
+
+@pytest.mark.xfail(strict=True, reason="fixed since")
+@pytest.mark.gpumem(nproc=1)
+def test_strict():
+    pass
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}")
+    result.assert_outcomes(xfailed=1, xpassed=1, failed=1)
+    got = {r["test"].split("::")[1]: (r["status"], r["cause"]) for r in json.loads(report.read_text())["tests"]}
+    assert got == {"test_xfailed": ("xfailed", "limit"), "test_xpassed": ("xpassed", None),
+                   "test_strict": ("failed", "xpass-strict")}

@@ -223,7 +223,7 @@ def _predicted_record():
     test = TestRun("t/p.py::test_grows", s,
                    runs=[SizeRun(r, LaunchResult(r.world_size, "direct", []), {}) for r in launched],
                    predicted=[SizeResult(8, "cpu", {}, prediction=p)])
-    return build(test, judge(s, test.results), "FAIL")
+    return build(test, judge(s, test.results), "failed", cause="limit")
 
 
 def test_every_output_labels_the_predicted_size():
@@ -235,7 +235,7 @@ def test_every_output_labels_the_predicted_size():
     assert sizes[8].basis == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
     assert sizes[4].prediction is None and sizes[8].failed and not sizes[4].failed
     lines = table([rec])
-    assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("FAIL")
+    assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("failed (limit)")
     assert lines[-1] == ("nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; "
                          "LOO error 0.0%, not launched")
     md = outputs.markdown([rec])

@@ -60,8 +60,9 @@ def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_t
     assert "at nproc=2 (cpu)" not in out and "at nproc=4 (cpu)" not in out  # only 8 fails
     table = [line.split() for line in result.stdout.lines if line.startswith("test_inflation_fails") and "::" in line]
     rows = {(cells[0].rsplit("::", 1)[1], cells[1]): " ".join(cells[2:]) for cells in table}
-    assert "(rank 0, predicted)" in rows["test_inflating", "8"] and rows["test_inflating", "8"].endswith("FAIL")
-    assert "(rank 0, predicted)" in rows["test_healthy", "8"] and rows["test_healthy", "8"].endswith("pass")
+    assert "(rank 0, predicted)" in rows["test_inflating", "8"]
+    assert rows["test_inflating", "8"].endswith("failed (limit)")
+    assert "(rank 0, predicted)" in rows["test_healthy", "8"] and rows["test_healthy", "8"].endswith("passed")
     assert "predicted" not in rows["test_inflating", "4"] and rows["test_inflating", "4"].endswith("ok")
     result.stdout.fnmatch_lines(
         ["nproc=8 of *::test_inflating: predicted by a + b*N from nproc 1,2,4; *, not launched"])

@@ -3,6 +3,7 @@ schema 1 (before the typed record) still read, so ``gpumem diff`` compares acros
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def full_record() -> TestRecord:
         live_timeline=((0.1, {1: 100.0}), (0.4, {1: 420.0})))
     predicted = SizeRecord(nproc=8, device="gpu", gated_rank=None, gated_label="largest rank", gated_mib=900.0,
                            prediction={"mib": 900.0, "basis": "predicted by a + b*N from nproc 1,2", "model": "linear"})
-    return TestRecord(test="t.py::test_x[a|b]", status="FAIL", nproc=(2, 8), launcher="torchrun",
+    return TestRecord(test="t.py::test_x[a|b]", status="failed", cause="limit", nproc=(2, 8), launcher="torchrun",
                       limits=Limits(max_mib=900.0, max_ratio=None, allow_mib=0.0, rank="all", tolerance="5%+32MiB"),
                       sizes=(size, predicted), provenance={"torch": "2.13.0"}, messages=("over",), notes=("n",),
                       baseline_changes=(BaselineChange(2, None, 812.5), BaselineChange(8, 800.0, 812.5)),
@@ -62,7 +63,8 @@ def full_record() -> TestRecord:
 def test_a_record_survives_json_unchanged():
     record = full_record()
     doc = json.loads(json.dumps(report_document([record])))
-    assert doc["schema"] == SCHEMA == 3
+    assert doc["schema"] == SCHEMA == 4
+    assert doc["tests"][0]["status"] == "failed" and doc["tests"][0]["cause"] == "limit"
     assert parse_report(doc) == [record]
 
 
@@ -72,9 +74,13 @@ def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():
     assert size.failed and not record.sizes[1].failed
     assert size.gated_method == "per-pid sampled"  # of rank 1, the gated one: an int, no label parsed
     assert [c.limit_mib for c in size.limits()] == [900.0, 700.0, 400.0]
-    assert record.size_verdict(size) == "FAIL" and record.size_verdict(record.sizes[1]) == "ok"
+    assert record.size_verdict(size) == "failed (limit)" and record.size_verdict(record.sizes[1]) == "ok"
     assert record.sizes[1].predicted and record.sizes[1].basis.startswith("predicted by a + b*N")
-    assert record.with_status("XFAIL").size_verdict(record.sizes[1]) == "ok"
+    xfailed = record.with_status("xfailed")
+    assert xfailed.cause == "limit" and xfailed.size_verdict(record.sizes[1]) == "ok"
+    assert record.with_status("xpassed").cause is None
+    crashed = dataclasses.replace(record, cause="crash")  # nothing to say "ok" about: every size failed with it
+    assert {crashed.size_verdict(s) for s in crashed.sizes} == {"failed (crash)"}
 
 
 def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
@@ -83,7 +89,8 @@ def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
     inflated = next(r for r in old if r.test.endswith("inflated"))
     size = inflated.size(2)
     assert size is not None and size.gated_rank == 0 and size.gated_label == "rank 0"
-    assert inflated.status == "XFAIL" and size.failed and inflated.size_verdict(size) == "XFAIL"
+    assert inflated.status == "xfailed" and inflated.cause == "limit"
+    assert size.failed and inflated.size_verdict(size) == "xfailed (limit)"
     assert not inflated.size(1).failed and inflated.size_verdict(inflated.size(1)) == "ok"
     assert size.gated_method == "high-water mark"
     # and gpumem diff compares it with a report of this schema: the same sizes, a number each
@@ -94,8 +101,11 @@ def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda t: t.update(status="great"), "tests[0].status: expected one of pass, FAIL, ERROR, skip, XFAIL, XPASS, "
-                                         "got 'great'"),
+    (lambda t: t.update(status="great"), "tests[0].status: expected one of passed, failed, skipped, xfailed, "
+                                         "xpassed, measured, got 'great'"),
+    (lambda t: t.update(cause="vibes"), "tests[0].cause: expected one of limit, crash, baseline-missing, "
+                                        "baseline-error, xpass-strict (the status is failed), got 'vibes'"),
+    (lambda t: t.update(status="passed"), "tests[0].cause: expected null (the status is passed), got 'limit'"),
     (lambda t: t["limits"].update(rank=-1), "tests[0].limits.rank: expected an integer >= 0 or 'all', got -1"),
     (lambda t: t["limits"].update(tolerance="lots"), "tests[0].limits.tolerance: "),
     (lambda t: t["sizes"][0].update(nproc=0), "tests[0].sizes[0].nproc: expected an integer >= 1, got 0"),
@@ -118,5 +128,43 @@ def test_every_bad_field_is_named_with_what_is_accepted(mutate, message):
 
 
 def test_a_record_sent_by_a_newer_plugin_is_refused_saying_which_schemas_are_read():
-    with pytest.raises(ReportError, match=r"schema: expected 1, 2 or 3 \(a pytest --gpumem-report file\), got 4"):
-        parse_report({"schema": 4, "tests": []})
+    with pytest.raises(ReportError, match=r"schema: expected 1 to 4 \(a pytest --gpumem-report file\), got 5"):
+        parse_report({"schema": 5, "tests": []})
+
+
+OLD_WORDS = [("pass", [], False, "passed", None), ("skip", [], False, "skipped", None),
+             ("XPASS", [], False, "xpassed", None), ("FAIL", ["over"], True, "failed", "limit"),
+             ("XFAIL", ["over"], True, "xfailed", "limit"),
+             ("ERROR", ["rank 1 of 2 failed:\n..."], False, "failed", "crash"),
+             ("XFAIL", ["rank 1 of 2 failed:\n..."], False, "xfailed", "crash"),
+             ("ERROR", ["no baseline stored for t.py::test on cpu:X at nproc=2 in f: record it"], False,
+              "failed", "baseline-missing"),
+             ("ERROR", ["baseline file unusable (left untouched): f: broken"], False, "failed", "baseline-error")]
+
+
+@pytest.mark.parametrize("schema", [1, 2, 3])
+@pytest.mark.parametrize("old, messages, size_failed, status, cause", OLD_WORDS)
+def test_old_status_words_read_as_pytests_with_their_cause(schema, old, messages, size_failed, status, cause):
+    doc = json.loads(json.dumps(report_document([full_record()])))
+    doc["schema"] = schema
+    raw = doc["tests"][0]
+    del raw["cause"]
+    raw.update(status=old, messages=messages)
+    raw["sizes"] = raw["sizes"][:1]
+    raw["sizes"][0]["failed"] = size_failed  # what schema 1 reads
+    raw["sizes"][0]["checks"] = [] if not size_failed else raw["sizes"][0]["checks"]
+    (record,) = parse_report(doc)
+    assert (record.status, record.cause) == (status, cause)
+
+
+def test_gpumem_diff_of_an_old_report_against_a_new_one(tmp_path, capsys):
+    """A report written before the upgrade (schema 2: the examples' real one) against one of today."""
+    from pytest_gpumem import cli
+
+    old = load_report(DATA / "record_torch_ddp.json")
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(report_document(old)))
+    assert json.loads(new.read_text())["schema"] == SCHEMA
+    assert cli.main(["diff", str(DATA / "record_torch_ddp.json"), str(new)]) == 0
+    assert cli.main(["diff", str(DATA / "record_torch_ddp_schema1.json"), str(new)]) == 0
+    assert "gpumem diff: " in capsys.readouterr().out

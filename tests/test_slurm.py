@@ -161,7 +161,7 @@ def test_killed():
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "*rank 3 of 4 (node n2) ended without a result (killed by SIGKILL (kill -9, or the kernel's OOM killer*",
-        "*rank 0 of 4 (node n1) ended without a result (killed by SIGTERM)*",
+        "*rank 0 of 4 (node n1): stopped by pytest-gpumem after rank 3 failed (SIGTERM)*",
         "*srun launcher output (last lines):*",
         "*srun: error: n2: task 3: Killed*",
     ])
@@ -195,7 +195,7 @@ def test_hangs():
     result = run(pytester)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*launch timed out after 6 s at nproc=4 (launcher srun); ranks without a result: [[]2, 3[]] on node n2*",
+        "*rank 2 of 4 (node n2) hung: no result when the launch timed out after 6 s at nproc=4 (launcher srun)*",
         "*--- rank 2 Python stack when the timeout hit ---*",
         "*line * in wait_for_peer*",
     ])

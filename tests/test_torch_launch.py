@@ -26,8 +26,29 @@ def test_inflating():
         "*rank 0 at nproc=2 (cpu): peak * MiB > 1.20 x * MiB (nproc=1) + 0 MiB = * MiB (ratio *x)*",
         "*gpumem: peak memory per rank*",
         "*test_healthy*2*1.00x*pass*",
-        "*test_inflating*2*FAIL*",
+        "*test_inflating*2*failed (limit)*",
     ])
+
+
+def test_the_cpu_floor_is_shown_in_the_table_the_failure_and_the_markdown(pytester, launch_tag, tmp_path):
+    """--gpumem-floor=on on CPU: the figure split into floor + job's own, as on GPU, wherever it is shown."""
+    markdown = tmp_path / "summary.md"
+    pytester.makepyfile(TORCH_DDP + '''
+@pytest.mark.gpumem(nproc=1, max_mib=1)
+def test_over():
+    step(False)
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=on",
+                                f"--gpumem-markdown={markdown}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*floor + job's own MiB per rank {0: * + *} (floor: an empty job, torch start-up)*",  # the failure
+        "*gpumem: peak memory per rank*",
+        "*test  *nproc  *gated peak MiB  *floor + job MiB*",  # the table
+        "*test_over  *1  *(rank 0)  *.? + *.?  *failed (limit)*",
+    ])
+    text = markdown.read_text()
+    assert "| floor + job MiB |" in text and " + " in text.split("test_over`", 1)[1].splitlines()[0]
 
 
 def test_torchrun_launcher_gates_the_same_way(pytester, launch_tag):
@@ -115,7 +136,7 @@ def test_inflating():
 ''')
     result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(xfailed=1)
-    result.stdout.fnmatch_lines(["*test_inflating*XFAIL*"])
+    result.stdout.fnmatch_lines(["*test_inflating*xfailed (limit)*"])
 
 
 def test_script_mode_runs_the_program_as_users_launch_it(pytester, launch_tag, tmp_path):

@@ -55,7 +55,7 @@ def test_baseline_exceeded_and_improvement_noted():
     s = spec(nproc=2)
     tol = Tolerance(percent=5.0)
     bad = judge(s, [result(2, 1100, 1000)], {2: BaselineRef(1000, tol)})
-    assert "baseline 1000.0 MiB + tolerance 5% = 1050.0 MiB" in str(bad.failures[0])
+    assert "baseline 1000.0 MiB + 5% (50.0 MiB) = 1050.0 MiB" in str(bad.failures[0])
     better = judge(s, [result(2, 800, 800)], {2: BaselineRef(1000, tol)})
     assert better.passed and "refresh the baseline" in better.notes[0]
 
@@ -115,7 +115,7 @@ def test_a_gpu_baseline_is_judged_on_both_figures_each_at_its_tolerance():
     grown = judge(s, [gpu(1, [14176.0], [7765.06 + 140.0])], ref)  # one extra 1% tensor
     assert [c.figure for c in grown.failures] == ["allocated"]
     assert str(grown.failures[0]) == ("rank 0 at nproc=1 (gpu, allocated): peak 7905.1 MiB > baseline 7765.1 MiB + "
-                                      "tolerance 0.5%+16MiB = 7803.9 MiB")
+                                      "max(0.5% = 38.8, 16) MiB = 7803.9 MiB")
     device_only = judge(spec(nproc=1, figures={"baseline": "device"}), [gpu(1, [14176.0], [7905.0])], ref)
     assert device_only.passed
 

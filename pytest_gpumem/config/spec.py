@@ -14,11 +14,11 @@ from typing import Any, Mapping
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 DEVICES = ("auto", "gpu", "cpu")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
-DEFAULT_TOLERANCE = "5%+32MiB"  # gpumem_tolerance's default, and a report's when it names none
+DEFAULT_TOLERANCE = "max(5%, 32MiB)"  # gpumem_tolerance's default, and a report's when it names none
 # The allocator's peak of live tensors (torch max_memory_allocated) read the same to 0.01 MiB in
 # every launch of a job whose NVML figure moved by 2.8% (docs/gpu.md): a tolerance of its own,
 # tight enough to catch a 1% growth of a 14 GiB job (140 MiB) and far above its measured spread.
-DEFAULT_ALLOCATED_TOLERANCE = "0.5%+16MiB"
+DEFAULT_ALLOCATED_TOLERANCE = "max(0.5%, 16MiB)"
 
 # Which figure each limit reads on a GPU (docs/gpu.md says why): "device" is NVML's per-process
 # figure (what nvidia-smi shows, what runs out), "allocated" the framework allocator's peak of
@@ -36,7 +36,8 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Allowed drift above a baseline: a relative part, an absolute part, or both (the larger wins)."""
+    """Allowed drift above a baseline: a relative part, an absolute part, or both: the larger of the
+    two, never their sum, hence its spelling ``max(5%, 32MiB)``."""
 
     percent: float | None = None
     mib: float | None = None
@@ -55,21 +56,37 @@ class Tolerance:
             parts.append(f"{self.percent:g}%")
         if self.mib is not None:
             parts.append(f"{self.mib:g}MiB")
-        return "+".join(parts) or "0"
+        if len(parts) == 2:
+            return f"max({parts[0]}, {parts[1]})"
+        return parts[0] if parts else "0"
+
+    def explain(self, baseline_mib: float) -> str:
+        """The allowance over ``baseline_mib`` with its arithmetic: ``max(5% = 15.7, 32) MiB``,
+        ``5% (15.7 MiB)``, ``32 MiB``."""
+        if self.percent is not None:
+            share = f"{self.percent:g}% = {baseline_mib * self.percent / 100.0:.1f}"
+            if self.mib is not None:
+                return f"max({share}, {self.mib:g}) MiB"
+            return f"{self.percent:g}% ({baseline_mib * self.percent / 100.0:.1f} MiB)"
+        return f"{self.mib:g} MiB" if self.mib is not None else "0 MiB"
 
 
 _TOL_PART = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|MiB|GiB)\s*$")
+_TOL_MAX = re.compile(r"^\s*max\s*\((.*)\)\s*$")
+TOLERANCE_ACCEPTED = 'a string like "5%", "256MiB" or "max(5%, 256MiB)" (the larger of the two)'
 
 
 def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
-    """Parse ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"5%+256MiB"`` (also a comma or a list)."""
-    accepted = 'a string like "5%", "256MiB" or "5%+256MiB"'
+    """Parse ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"max(5%, 256MiB)"``; the older spellings of the
+    last, ``"5%+256MiB"``, ``"5%,256MiB"`` and a list, mean the same."""
+    accepted = TOLERANCE_ACCEPTED
     if isinstance(value, Tolerance):
         return value
     if isinstance(value, (list, tuple)):
         items = [str(v) for v in value]
     elif isinstance(value, str):
-        items = re.split(r"[+,]", value)
+        inside = _TOL_MAX.match(value)
+        items = re.split(r"[+,]", inside.group(1) if inside else value)
     else:
         raise SpecError(f"{what}={value!r} is not accepted: expected {accepted}")
     percent: float | None = None

@@ -4,8 +4,12 @@ The table, Markdown, JUnit properties, plots, benchmark JSON and ``gpumem diff``
 :class:`TestRecord` and derive nothing themselves: the gated rank is an int, each check carries its
 own limit, each size says whether it failed. :meth:`TestRecord.to_json` / :meth:`TestRecord.from_json`
 are the one (de)serializer, versioned by :data:`SCHEMA`; it travels to the xdist controller and into
-``--gpumem-report`` files. Reports of schema 1 (pytest-gpumem 0.2) are read too, so ``gpumem diff``
+``--gpumem-report`` files. Reports of schemas 1 (pytest-gpumem 0.2) to 3 are read too, so ``gpumem diff``
 can compare against a report recorded before an upgrade.
+
+A test's outcome is pytest's own word (:data:`STATUSES`), and a failed (or xfailed) test says what
+failed in :data:`CAUSES`: a limit, a rank, or the baseline. Schemas 1 to 3 spelled outcomes
+``pass``, ``FAIL``, ``ERROR``, ``skip``, ``XFAIL``, ``XPASS``; they are read into the new words.
 """
 
 from __future__ import annotations
@@ -25,8 +29,17 @@ if TYPE_CHECKING:  # the builder's inputs; reading and rendering records needs n
     from .growth import Growth
     from .verdict import SizeResult, Verdict
 
-SCHEMA = 3  # 3: allocator figures, peak sites, live curves, each check's figure
-STATUSES = ("pass", "FAIL", "ERROR", "skip", "XFAIL", "XPASS")
+# 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
+SCHEMA = 4
+# pytest's words; "measured": `gpumem measure` without limits (launched and measured, nothing judged)
+STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "measured")
+# Why a test failed: a memory limit or baseline exceeded (or no figure to judge); a rank failed,
+# died or hung (or the launch could not start); no comparable baseline where one is required (CI);
+# a baseline file that could not be read or written; a test marked xfail(strict=True) that passed.
+CAUSES = ("limit", "crash", "baseline-missing", "baseline-error", "xpass-strict")
+FAILED = ("failed", "xfailed")  # the statuses that carry a cause
+_OLD_STATUSES = {"pass": "passed", "FAIL": "failed", "ERROR": "failed", "skip": "skipped", "XFAIL": "xfailed",
+                 "XPASS": "xpassed"}  # schemas 1 to 3
 CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "schema1")
 
 
@@ -186,18 +199,26 @@ class TestRecord:
     grown_sites: tuple[SiteChange, ...] = ()  # what grew at the failing size, largest first
     grown_against: str = ""  # "nproc=1" or "the baseline"
     sites_summary: str = ""  # what the listed sites leave out (shrunk, the framework's internals)
+    cause: str | None = None  # one of CAUSES where status is failed or xfailed
 
-    def with_status(self, status: str) -> TestRecord:
-        return replace(self, status=status)
+    def with_status(self, status: str, cause: str | None = None) -> TestRecord:
+        """The record under pytest's final word (``xfailed``, ``xpassed``); a failure keeps its cause."""
+        return replace(self, status=status, cause=(cause or self.cause) if status in FAILED else None)
 
     def size(self, nproc: int) -> SizeRecord | None:
         return next((s for s in self.sizes if s.nproc == nproc), None)
 
+    @property
+    def verdict(self) -> str:
+        """The status, with the cause of a failure: ``failed (crash)``, ``xfailed (limit)``, ``passed``."""
+        return f"{self.status} ({self.cause})" if self.cause and self.status in FAILED else self.status
+
     def size_verdict(self, size: SizeRecord) -> str:
-        """The test's status, except ``ok`` for a size that passed inside a failing (or xfailing) test."""
-        if self.status in ("FAIL", "XFAIL") and not size.failed:
+        """The test's verdict, except ``ok`` for a size that passed its limits inside a test that
+        failed (or xfailed) on a limit at another size."""
+        if self.status in FAILED and self.cause == "limit" and not size.failed:
             return "ok"
-        return self.status
+        return self.verdict
 
     # ------------------------------------------------------------------ JSON
 
@@ -205,6 +226,7 @@ class TestRecord:
         return {
             "test": self.test,
             "status": self.status,
+            "cause": self.cause,
             "nproc": list(self.nproc),
             "launcher": self.launcher,
             "limits": {"max_mib": self.limits.max_mib, "max_ratio": self.limits.max_ratio,
@@ -224,7 +246,7 @@ class TestRecord:
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "record", schema: int = SCHEMA) -> TestRecord:
-        """The record of :meth:`to_json` (or of a schema-1 report); ReportError names every bad field."""
+        """The record of :meth:`to_json` (or of an older schema's report); ReportError names every bad field."""
         reader = _Reader()
         record = reader.record(raw, where, schema)
         if reader.problems:
@@ -501,9 +523,12 @@ class _Reader:
             self.bad(f"{where}.test", "a test id string", test)
             test = ""
         status = raw.get("status")
-        if status not in STATUSES:
-            self.bad(f"{where}.status", f"one of {', '.join(STATUSES)}", status)
-            status = "ERROR"
+        accepted = STATUSES if schema >= 4 else tuple(_OLD_STATUSES)
+        valid = status in accepted
+        if not valid:
+            self.bad(f"{where}.status", f"one of {', '.join(accepted)}", status)
+            status = "failed" if schema >= 4 else "ERROR"
+        messages = tuple(str(m) for m in raw.get("messages") or [])
         nproc = raw.get("nproc") or []
         if not (isinstance(nproc, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in nproc)):
             self.bad(f"{where}.nproc", "a list of world sizes", nproc)
@@ -534,30 +559,59 @@ class _Reader:
                 grown.append(SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"])))
             else:
                 self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib}", item)
+        if schema >= 4:
+            cause = raw.get("cause")
+            if not valid:
+                cause = "crash"
+            elif status in FAILED and cause not in CAUSES:
+                self.bad(f"{where}.cause", f"one of {', '.join(CAUSES)} (the status is {status})", cause)
+                cause = "crash"
+            elif status not in FAILED and cause is not None:
+                self.bad(f"{where}.cause", f"null (the status is {status})", cause)
+                cause = None
+        else:
+            status, cause = _old_status(str(status), messages, sizes)
         return TestRecord(
             test=test, status=str(status), nproc=tuple(nproc), launcher=self.text(raw, "launcher", where, "direct"),
             limits=limits, sizes=sizes, provenance={str(k): str(v) for k, v in provenance.items()},
-            messages=tuple(str(m) for m in raw.get("messages") or []), notes=self.texts(raw, "notes", where),
+            messages=messages, notes=self.texts(raw, "notes", where),
             baseline_changes=tuple(changes), changed_since_baseline=self.texts(raw, "changed_since_baseline", where),
             grown_sites=tuple(grown), grown_against=self.text(raw, "grown_against", where, ""),
-            sites_summary=self.text(raw, "sites_summary", where, ""))
+            sites_summary=self.text(raw, "sites_summary", where, ""), cause=cause)
+
+
+def _old_status(status: str, messages: tuple[str, ...], sizes: tuple[SizeRecord, ...]) -> tuple[str, str | None]:
+    """A schema-1/2/3 status in today's words, and the cause its record shows: ``FAIL`` was a limit;
+    ``ERROR`` a failed launch or a baseline problem (told apart by its message); an ``XFAIL`` failed
+    either way."""
+    new = _OLD_STATUSES[status]
+    if new not in FAILED:
+        return new, None
+    if status == "FAIL" or (status == "XFAIL" and any(size.failed for size in sizes)):
+        return new, "limit"
+    first = messages[0] if messages else ""
+    if first.startswith(("baseline file unusable", "baseline not refreshed")):
+        return new, "baseline-error"
+    if first.startswith(("no baseline stored", "baseline of ")):
+        return new, "baseline-missing"
+    return new, "crash"
 
 
 # ---------------------------------------------------------------------------------------------- reports
 
 
 def report_document(records: Iterable[TestRecord]) -> dict[str, Any]:
-    """What ``--gpumem-report`` writes: ``{"schema": 2, "tests": [...]}``, sorted by test id."""
+    """What ``--gpumem-report`` writes: ``{"schema": 4, "tests": [...]}``, sorted by test id."""
     return {"schema": SCHEMA, "tests": [r.to_json() for r in sorted(records, key=lambda r: r.test)]}
 
 
 def parse_report(doc: Any) -> list[TestRecord]:
-    """The records of a ``--gpumem-report`` document (schema 1 or 2); ReportError lists the problems."""
+    """The records of a ``--gpumem-report`` document (schema 1 to 4); ReportError lists the problems."""
     if not isinstance(doc, dict):
         raise ReportError(f"expected a JSON object with 'schema' and 'tests', got {type(doc).__name__}")
     schema = doc.get("schema")
-    if schema not in (1, 2, SCHEMA):
-        raise ReportError(f"schema: expected 1, 2 or {SCHEMA} (a pytest --gpumem-report file), got {schema!r}")
+    if not isinstance(schema, int) or isinstance(schema, bool) or not 1 <= schema <= SCHEMA:
+        raise ReportError(f"schema: expected 1 to {SCHEMA} (a pytest --gpumem-report file), got {schema!r}")
     tests = doc.get("tests")
     if not isinstance(tests, list):
         raise ReportError(f"tests: expected a list of test records, got {type(tests).__name__}")
@@ -610,8 +664,8 @@ class Run(Protocol):
     def provenance(self) -> dict[str, str]: ...
 
 
-def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping[int, float] | None = None,
-          allocated_baselines: Mapping[int, float] | None = None,
+def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None = None,
+          baselines: Mapping[int, float] | None = None, allocated_baselines: Mapping[int, float] | None = None,
           changes: Sequence[BaselineChange] = (), changed: Sequence[str] = (),
           messages: Sequence[str] | None = None, growth: Growth | None = None) -> TestRecord:
     """The record of one test, from its run and its verdict: the one place that derives these facts."""
@@ -682,6 +736,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, baselines: Mapping
         grown_sites=tuple(growth.grown) if growth is not None else (),
         grown_against=growth.against if growth is not None else "",
         sites_summary=growth.summary() if growth is not None else "",
+        cause=cause,
     )
 
 

@@ -344,10 +344,10 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
         kind, allowance = against_reference(value, stored, tolerance)
         limit = stored + allowance
         check("baseline", limit, kind != "regression",
-              f"baseline {stored:.1f} MiB + tolerance {tolerance} = {limit:.1f} MiB", value, label, figure)
+              f"baseline {stored:.1f} MiB + {tolerance.explain(stored)} = {limit:.1f} MiB", value, label, figure)
         if kind == "improved":
             what = "allocator figure" if figure == ALLOCATED else "peak"
             notes.append(
                 f"{label} at nproc={result.world_size}: {what} {value:.1f} MiB is below the baseline "
-                f"{stored:.1f} MiB by more than {tolerance}; refresh the baseline to tighten it"
+                f"{stored:.1f} MiB by more than {tolerance.explain(stored)}; refresh the baseline to tighten it"
             )

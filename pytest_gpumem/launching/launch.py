@@ -22,12 +22,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import psutil
 
 from ..rankside import protocol
-from ..rankside.rank import LAUNCH_ID_ENV, WORKDIR_ENV
+from ..rankside.rank import LAUNCH_ID_ENV, STARTUP_CWD, WORKDIR_ENV
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -67,6 +67,15 @@ class LaunchResult:
     nodes: dict[int, str] = field(default_factory=dict)  # srun: the node of each rank
     problems: list[str] = field(default_factory=list)    # what the launcher itself found wrong
     results: dict[int, protocol.RankResult] = field(default_factory=dict)  # each rank's test outcome
+    # How the launch ended: "done" (every process the plugin started ended by itself), "fail-fast"
+    # (a rank failed; the plugin ended the others after a grace) or "timeout".
+    end: str = "done"
+    # Seconds after the start at which each rank was seen to end, and to report a failed test,
+    # while the launch ran: the order in which the ranks failed.
+    ended_at: dict[int, float] = field(default_factory=dict)
+    failed_at: dict[int, float] = field(default_factory=dict)
+    stopped: frozenset[int] = frozenset()  # ranks still running when the plugin ended the launch
+    pythonpath: str | None = None          # the ranks' PYTHONPATH (relative entries made absolute)
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
@@ -102,8 +111,20 @@ def oneflow_library_dirs() -> list[str]:
     return dirs
 
 
+def absolute_pythonpath(value: str, cwd: str | None) -> str:
+    """PYTHONPATH with its relative entries (an empty one means the folder itself) resolved against
+    ``cwd``, as this interpreter resolved them into ``sys.path`` when it started: a rank runs from
+    another folder (pytester's, the launch's), where ``.`` would name something else."""
+    if cwd is None:
+        return value
+    return os.pathsep.join(entry if os.path.isabs(entry) else os.path.normpath(os.path.join(cwd, entry))
+                           for entry in value.split(os.pathsep))
+
+
 def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id: str) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in _CONTRACT}
+    if env.get("PYTHONPATH"):  # the session's own; a marker's env= below is the user's, left as given
+        env["PYTHONPATH"] = absolute_pythonpath(env["PYTHONPATH"], STARTUP_CWD)
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_CURRENT_TEST", None)
     # Same thread count at every world size, so 1 -> N compares like with like
@@ -162,17 +183,20 @@ class Launch:
         env = rank_environment(os.environ, req, self.launch_id)
         port = free_port()
         command = self._command(port)
-        result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command)
-        log = open(req.workdir / "launcher.log", "wb")
+        result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command,
+                              pythonpath=env.get("PYTHONPATH"))
         start = time.monotonic()
         guard = _SignalGuard()
         try:
             guard.arm()
             if req.launcher == "direct":
+                # Each rank writes into its own log from its first byte: a rank that dies before
+                # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
                 for rank in range(req.nproc):
-                    self._spawn(command, direct_env(env, rank, req.nproc, port), log)
+                    self._spawn(command, direct_env(env, rank, req.nproc, port),
+                                protocol.rank_file(req.workdir, rank, "log"))
             else:
-                self._spawn(command, env, log)
+                self._spawn(command, env, req.workdir / "launcher.log")
             self._supervise(result, start)
         except _FatalSignal as exc:
             guard.held.append(exc.signum)  # raised again once the launch's processes are gone
@@ -180,8 +204,8 @@ class Launch:
             guard.hold()
             try:
                 result.duration_s = time.monotonic() - start
+                result.stopped = frozenset(self._running_ranks(result))  # what the cleanup ends
                 result.leftovers = self._cleanup()
-                log.close()
                 self._collect_exit_codes(result)
                 self._read_results()
                 result.results = dict(self._results)
@@ -193,10 +217,16 @@ class Launch:
     def _command(self, port: int) -> list[str]:
         return launcher_command(self.request, port)
 
-    def _spawn(self, command: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> None:
-        proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    def _spawn(self, command: Sequence[str], env: Mapping[str, str], output: Path) -> None:
+        """Start one process in a session of its own, its stdout and stderr appended to ``output``
+        (created private: 0600)."""
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            proc = subprocess.Popen(list(command), env=dict(env), cwd=str(self.request.cwd),
+                                    stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        finally:
+            os.close(fd)
         self._procs.append(proc)
         self._remember(proc.pid)
 
@@ -212,21 +242,47 @@ class Launch:
                 self._track_descendants()
                 last_scan = now
             codes = [p.poll() for p in self._procs]
+            reported = self._rank_reported_failure()
+            self._note_ends(result, codes, now - start)
             if all(code is not None for code in codes):
+                result.end = "done"
                 return
-            if failed_at is None and (self._rank_reported_failure() or (
+            if failed_at is None and (reported or (
                     req.launcher == "direct" and any(c not in (None, 0) for c in codes))):
                 # Like torchrun: one failed rank ends the launch, after a grace for the others to
                 # report. A rank that failed its test may still be blocked in the framework's
                 # exit barrier, waiting for peers that wait for it.
                 failed_at = now
             if failed_at is not None and now - failed_at > _FAIL_FAST_GRACE_S:
+                result.end = "fail-fast"
                 return
             if now >= deadline:
                 result.timed_out = True
+                result.end = "timeout"
                 self._dump_stacks(result)
                 return
             time.sleep(_TICK_S)
+
+    def _note_ends(self, result: LaunchResult, codes: list[int | None], elapsed: float) -> None:
+        """When each rank was first seen to end, and to report a failed test: the order of failures."""
+        for rank, reported in self._results.items():  # read by _rank_reported_failure
+            if reported.outcome == "failed":
+                result.failed_at.setdefault(rank, elapsed)
+        for rank in self._ended_ranks(result, codes):
+            result.ended_at.setdefault(rank, elapsed)
+
+    def _ended_ranks(self, result: LaunchResult, codes: list[int | None]) -> set[int]:
+        """The ranks whose process has ended (direct: the processes we started, one per rank;
+        a launcher's ranks: the pids they announced)."""
+        if self.request.launcher == "direct":
+            return {rank for rank, code in enumerate(codes) if code is not None}
+        return {rank for rank, pid in result.pids.items()
+                if pid not in self._seen or not self._alive([self._seen[pid]])}
+
+    def _running_ranks(self, result: LaunchResult) -> set[int]:
+        codes = [p.poll() for p in self._procs]
+        known = set(range(len(self._procs))) if self.request.launcher == "direct" else set(result.pids)
+        return known - self._ended_ranks(result, codes)
 
     def _read_results(self) -> None:
         """Each rank's result, parsed once: it is written whole, once, when the rank's test ends."""

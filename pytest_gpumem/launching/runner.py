@@ -32,19 +32,13 @@ from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler
 from ..sampling.identity import platform_key
 from ..sampling.sites import Site, from_dicts
-from . import slurm
+from . import failures, slurm
+from .failures import RankOutcome
 from .floor import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
 from .gpus import GpuPlan, GpuPlanner
 from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
 from .workdirs import make_workdir, sweep_orphans
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    rank: int
-    outcome: str  # passed | failed | skipped | missing
-    text: str = ""
 
 
 @dataclass
@@ -434,7 +428,7 @@ class Runner:
             reported = launch.results.get(rank)  # read by the launch, once
             if spec.body_mode:
                 if reported is not None:
-                    outcomes[rank] = RankOutcome(rank, reported.outcome, reported.text)
+                    outcomes[rank] = RankOutcome(rank, reported.outcome, reported.text, reported.error)
                     continue
             elif rank in exited and code in (None, 0) and launch.launcher_returncode in (None, 0):
                 outcomes[rank] = RankOutcome(rank, "passed")
@@ -446,39 +440,9 @@ class Runner:
         return outcomes
 
     def _problems(self, spec: Spec, run: SizeRun, workdir: Path) -> list[str]:
-        launch, n = run.launch, run.launch.nproc
-        problems: list[str] = []
-        if launch.timed_out:
-            running = sorted(r for r, o in run.outcomes.items() if o.outcome == "missing")
-            text = (f"launch timed out after {spec.timeout:g} s at nproc={n} "
-                    f"(launcher {launch.launcher}); ranks without a result: {running or 'none'}")
-            nodes = sorted({launch.nodes[r] for r in running if r in launch.nodes})
-            if nodes:
-                text += f" on node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
-            for rank, stack in sorted(launch.stacks.items()):
-                text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
-            problems.append(text)
-        for rank, outcome in sorted(run.outcomes.items()):
-            if outcome.outcome == "failed" and spec.body_mode:  # the text is the rank's traceback
-                problems.append(f"{_who(launch, rank)} failed:\n{outcome.text.rstrip()}")
-            elif outcome.outcome == "failed":  # a program in script mode: its output says why
-                tail = launch.rank_log(workdir, rank)
-                problems.append(f"{_who(launch, rank)} failed ({outcome.text})"
-                                + (f"; last lines of its output:\n{tail}" if tail else ""))
-            elif outcome.outcome == "missing" and not launch.timed_out:
-                tail = launch.rank_log(workdir, rank)
-                problems.append(
-                    f"{_who(launch, rank)} ended without a result ({outcome.text})"
-                    + (f"; last lines of its output:\n{tail}" if tail else "")
-                )
-        if launch.leftovers:
-            problems.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
-        problems.extend(launch.problems)
-        if problems and launch.launcher != "direct":
-            log = _tail(workdir / "launcher.log", 15)
-            if log:
-                problems.append(f"{launch.launcher} launcher output (last lines):\n{log}")
-        return problems
+        return failures.problems(run.launch, run.outcomes, failures.LaunchContext(
+            marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir, timeout=spec.timeout,
+            body_mode=spec.body_mode))
 
 
 def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started_at: float) -> tuple[
@@ -511,23 +475,9 @@ def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, starte
     return allocated, sites, tuple(sorted(points.items())), notes
 
 
-def _who(launch: LaunchResult, rank: int) -> str:
-    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes."""
-    node = launch.nodes.get(rank)
-    return f"rank {rank} of {launch.nproc}" + (f" (node {node})" if node else "")
-
-
 def _exit_text(launch: LaunchResult, rank: int) -> str:
     if launch.launcher == "srun" and rank in launch.returncodes:  # the task shim saw the rank end
         return describe_returncode(launch.returncodes[rank])
     if launch.launcher == "direct":
         return describe_returncode(launch.returncodes.get(rank))
     return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-

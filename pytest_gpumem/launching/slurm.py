@@ -158,6 +158,10 @@ class SrunLaunch(Launch):
             return True
         return any(code not in (None, 0) for code in self._task_codes().values())
 
+    def _ended_ranks(self, result: LaunchResult, codes: list[int | None]) -> set[int]:
+        """The tasks that ended: their shim wrote the exit status (the PIDs are on other hosts)."""
+        return {rank for rank, code in self._task_codes().items() if code is not None}
+
     def _dump_stacks(self, result: LaunchResult) -> None:
         """Every rank's Python stacks before a hung step is cancelled (faulthandler on SIGUSR1)."""
         step = self._step_id()

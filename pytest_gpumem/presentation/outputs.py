@@ -13,24 +13,20 @@ from typing import Any, Iterable, Sequence
 
 from ..config.spec import Tolerance, parse_tolerance
 from ..judging.growth import compare as compare_sites
-from ..judging.record import SizeRecord, TestRecord
+from ..judging.record import CAUSES, SizeRecord, TestRecord
 from ..judging.verdict import against_reference
 from ..sampling.sites import from_dicts
+from .report import floor_split
 
 COMMENT_LIMIT = 60_000  # a GitHub comment holds 65,536 characters; leave room for a header
 
-# Regressions first: what a reviewer must act on, then what the test author expected, then the rest.
-_STATUS_GROUP = {"FAIL": 0, "ERROR": 0, "XPASS": 1, "XFAIL": 1, "pass": 2, "skip": 2}
-_HEADLINE = (  # status, singular, plural
-    ("FAIL", "regression", "regressions"),
-    ("ERROR", "error", "errors"),
-    ("XPASS", "unexpected pass", "unexpected passes"),
-    ("XFAIL", "expected failure", "expected failures"),
-    ("pass", "passed", "passed"),
-    ("skip", "skipped", "skipped"),
-)
-_VERDICT_CELL = {"FAIL": "❌ FAIL", "ERROR": "❌ ERROR", "XPASS": "⚠️ XPASS", "XFAIL": "XFAIL",
-                 "pass": "✅ pass", "skip": "skip", "ok": "ok"}
+# Failures first: what a reviewer must act on, then what the test author expected, then the rest.
+_STATUS_GROUP = {"failed": 0, "xpassed": 1, "xfailed": 1, "passed": 2, "measured": 2, "skipped": 2}
+_HEADLINE_ORDER = ("failed", "xpassed", "xfailed", "passed", "measured", "skipped")  # pytest's words
+_MARK = {"failed": "❌ ", "xpassed": "⚠️ ", "passed": "✅ "}
+# The headings failures are listed under, by cause (a crash is not a limit).
+_MD_SECTIONS = (("limit", "Limits exceeded"), ("crash", "Crashed or hung"),
+                ("baseline-missing", "Baselines missing"), ("baseline-error", "Baseline files unusable"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,13 +62,24 @@ def _ordered(records: Iterable[TestRecord]) -> list[TestRecord]:
 
 
 def headline(records: Sequence[TestRecord]) -> str:
-    """``❌ **pytest-gpumem**: 1 regression, 5 passed``: counts per status, the ones to act on first."""
+    """``❌ **pytest-gpumem**: 2 failed (1 limit, 1 crash), 5 passed``: counts in pytest's words, the
+    ones to act on first, a failure's cause beside it."""
     if not records:
         return "**pytest-gpumem**: no gpumem test ran"
-    counts = {status: sum(1 for r in records if r.status == status) for status, *_ in _HEADLINE}
-    parts = [f"{n} {one if n == 1 else many}" for status, one, many in _HEADLINE if (n := counts[status])]
-    bad = counts["FAIL"] + counts["ERROR"]
+    parts = []
+    for status in _HEADLINE_ORDER:
+        found = [r for r in records if r.status == status]
+        if not found:
+            continue
+        causes = [f"{n} {cause}" for cause in CAUSES if (n := sum(1 for r in found if r.cause == cause))]
+        parts.append(f"{len(found)} {status}" + (f" ({', '.join(causes)})" if status == "failed" and causes else ""))
+    bad = any(r.status == "failed" for r in records)
     return ("❌" if bad else "✅") + " **pytest-gpumem**: " + ", ".join(parts)
+
+
+def _verdict_cell(record: TestRecord, verdict: str) -> str:
+    """``❌ failed (crash)``, ``✅ passed``, ``ok`` (a size that passed inside a failing test)."""
+    return ("" if verdict == "ok" else _MARK.get(record.status, "")) + verdict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,11 +91,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _md_rows(record: TestRecord) -> list[str]:
+def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
     test = _cell(f"`{record.test}`")
     if not record.sizes:
         nproc = ",".join(map(str, record.nproc))
-        return [f"| {test} | {nproc} | - | - | - | - | {_VERDICT_CELL.get(record.status, record.status)} |"]
+        empty = " - |" if with_floor else ""
+        return [f"| {test} | {nproc} | - |{empty} - | - | - | {_verdict_cell(record, record.verdict)} |"]
     rows = []
     for size in record.sizes:
         verdict = record.size_verdict(size)
@@ -102,7 +110,8 @@ def _md_rows(record: TestRecord) -> list[str]:
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x"
         nproc = f"{size.nproc}" + ("\\*" if size.reused else "")
         change = format_delta(delta(size.gated_mib, size.baseline_mib))
-        cells = [test, nproc, peak, _mib(size.baseline_mib), change, ratio, _VERDICT_CELL.get(verdict, verdict)]
+        floor = [floor_split(size) or "-"] if with_floor else []
+        cells = [test, nproc, peak, *floor, _mib(size.baseline_mib), change, ratio, _verdict_cell(record, verdict)]
         rows.append("| " + " | ".join(_cell(c) if i else c for i, c in enumerate(cells)) + " |")
     return rows
 
@@ -113,26 +122,36 @@ def _indent(text: str) -> str:
 
 
 def _md_messages(records: Sequence[TestRecord]) -> list[str]:
-    lines: list[str] = []
-    for rec in records:
-        messages = list(rec.messages)
-        if not messages and rec.status == "ERROR":
-            messages = ["no measurement: see the test's output in the log"]
-        lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
-        if rec.grown_sites:  # the line that holds the memory, top 3
-            lines.append(f"  - peak sites that grew since {rec.grown_against}: "
-                         + ", ".join(f"`{_cell(c.line())}`" for c in rec.grown_sites[:3]))
-    return lines
+    """The messages under a heading per cause ("Limits exceeded", "Crashed or hung", ...), each
+    failure with the peak sites that grew (the lines that hold the memory, top 3)."""
+    out: list[str] = []
+    headings = dict(_MD_SECTIONS)
+    for cause in [c for c, _ in _MD_SECTIONS] + [None]:
+        lines: list[str] = []
+        for rec in records:
+            if rec.cause != cause:
+                continue
+            messages = list(rec.messages)
+            if not messages and cause == "crash":
+                messages = ["no measurement: see the test's output in the log"]
+            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
+            if rec.grown_sites:  # the line that holds the memory, top 3
+                lines.append(f"  - peak sites that grew since {rec.grown_against}: "
+                             + ", ".join(f"`{_cell(c.line())}`" for c in rec.grown_sites[:3]))
+        if lines:
+            out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
+    return out
 
 
 def _md_notes(records: Sequence[TestRecord]) -> list[str]:
     return [f"- `{rec.test}`: {_indent(note)}" for rec in records for note in rec.notes]
 
 
-_TABLE_HEAD = [
-    "| test | nproc | gated peak MiB | baseline MiB | delta vs baseline | ratio to nproc=1 | verdict |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-]
+def _table_head(with_floor: bool) -> list[str]:
+    floor = (" floor + job MiB |", " ---: |") if with_floor else ("", "")
+    return [f"| test | nproc | gated peak MiB |{floor[0]} baseline MiB | delta vs baseline | ratio to nproc=1 "
+            "| verdict |",
+            f"| --- | ---: | ---: |{floor[1]} ---: | ---: | ---: | --- |"]
 
 
 def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -> str:
@@ -145,23 +164,25 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
     head = [headline(records), ""]
     if not records:
         return "\n".join(head)
-    tail: list[str] = []
-    messages = _md_messages(records)
-    if messages:
-        tail += ["", "**Limits exceeded**", "", *messages]
+    tail: list[str] = _md_messages(records)
     notes = _md_notes(records)
     if notes:
         tail += ["", "**Notes**", "", *notes]
     legend = []
     if any(size.reused for rec in records for size in rec.sizes):
         legend.append("\\* nproc=1 reference reused from an earlier launch with the same parameters")
+    with_floor = any(floor_split(size) for rec in records for size in rec.sizes)
     legend.append("delta: gated peak minus the stored baseline of this platform; "
                   "ratio: gated peak over the nproc=1 peak")
+    if with_floor:
+        legend.append("floor + job: the gated peak as what an empty job of the same framework takes at that size "
+                      "(start-up, communicator; on GPU the CUDA context) plus the job's own")
     legend.extend(f"predicted (not launched): nproc={size.nproc} of `{rec.test}`, {size.basis}"
                   for rec in records for size in rec.sizes if size.predicted)
     tail += ["", *legend]
-    rows = [row for rec in records for row in _md_rows(rec)]
-    budget = max_chars - sum(len(line) + 1 for line in head + _TABLE_HEAD + tail) - 80
+    rows = [row for rec in records for row in _md_rows(rec, with_floor)]
+    table_head = _table_head(with_floor)
+    budget = max_chars - sum(len(line) + 1 for line in head + table_head + tail) - 80
     kept, used = [], 0
     for row in rows:
         if used + len(row) + 1 > budget:
@@ -170,8 +191,8 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
         used += len(row) + 1
     omitted = []
     if len(kept) < len(rows):
-        omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report | | | | | | |"]
-    text = "\n".join(head + _TABLE_HEAD + kept + omitted + tail) + "\n"
+        omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report |" + " |" * (6 + with_floor)]
+    text = "\n".join(head + table_head + kept + omitted + tail) + "\n"
     return text if len(text) <= max_chars else text[: max_chars - 2] + "…\n"
 
 
@@ -187,11 +208,11 @@ def benchmark_name(record: TestRecord, nproc: int) -> str:
 def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
     """github-action-benchmark ``customSmallerIsBetter`` entries, one per test and world size.
 
-    Tests that errored or were skipped are left out: a crashed launch's peak would be a false dip.
+    Tests that crashed or were skipped are left out: a crashed launch's peak would be a false dip.
     """
     out = []
     for rec in sorted(records, key=lambda r: r.test):
-        if rec.status in ("ERROR", "skip"):
+        if rec.status == "skipped" or rec.cause == "crash":
             continue
         for size in rec.sizes:
             if size.gated_mib is None or not math.isfinite(size.gated_mib) or size.predicted:
@@ -221,6 +242,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
     methods = sorted({m for s in record.sizes if (m := s.gated_method)})
     props = [
         ("gpumem_status", record.status),
+        *([("gpumem_cause", record.cause)] if record.cause else []),
         ("gpumem_nproc", ",".join(map(str, record.nproc))),
         ("gpumem_device", ",".join(devices) or "-"),
         ("gpumem_method", ",".join(methods) or "-"),

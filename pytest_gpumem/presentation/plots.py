@@ -220,7 +220,7 @@ def plot(record: TestRecord, path: Path) -> Any:
     if not (sizes and sizes[-1].predicted):  # a predicted panel's x axis is nproc
         axes[-1].set_xlabel("seconds since launch")
     title = "\n".join(textwrap.wrap(record.test, 110))
-    fig.suptitle(f"{title}\nverdict: {record.status}", fontsize=10)
+    fig.suptitle(f"{title}\nverdict: {record.verdict}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,30 +1,54 @@
-"""The end-of-session terminal output: the memory table, the predicted sizes, the refreshed baselines."""
+"""The end-of-session terminal output: the memory table, the failures by cause, the predicted sizes,
+the refreshed baselines."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from ..judging.record import TestRecord
+from ..judging.record import SizeRecord, TestRecord
+
+# The headings failures are listed under, by cause (record.CAUSES): a crash is not a limit.
+SECTIONS = (
+    ("limit", "limits exceeded"),
+    ("crash", "ranks that failed"),
+    ("baseline-missing", "baselines missing"),
+    ("baseline-error", "baseline files unusable"),
+)
 
 
 def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def floor_split(size: SizeRecord) -> str | None:
+    """``612.0 + 1022.0``: the gated rank's figure as floor + the job's own, where a floor was measured."""
+    floor = size.floor.ranks.get(size.gated_rank) if size.floor is not None and size.gated_rank is not None else None
+    if floor is None or size.gated_mib is None or size.predicted:
+        return None
+    return f"{floor:.1f} + {size.gated_mib - floor:.1f}"
+
+
 def table(records: Iterable[TestRecord]) -> list[str]:
-    """Fixed-width table, one row per test and world size."""
+    """Fixed-width table, one row per test and world size; a "floor + job" column where a floor was
+    measured (``--gpumem-floor``)."""
     records = list(records)
-    header = ("test", "nproc", "gated peak MiB", "others max", "ratio", "baseline", "device", "verdict")
+    with_floor = any(floor_split(size) for rec in records for size in rec.sizes)
+    header: tuple[str, ...] = ("test", "nproc", "gated peak MiB", "others max", "ratio", "baseline", "device",
+                               "verdict")
+    if with_floor:
+        header = header[:3] + ("floor + job MiB",) + header[3:]
     rows: list[tuple[str, ...]] = []
     for rec in records:
         if not rec.sizes:
-            rows.append((rec.test, ",".join(map(str, rec.nproc)), "-", "-", "-", "-", "-", rec.status))
+            rows.append((rec.test, ",".join(map(str, rec.nproc)), "-", *(["-"] if with_floor else []),
+                         "-", "-", "-", "-", rec.verdict))
         for size in rec.sizes:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             rows.append((
                 rec.test,
                 str(size.nproc) + ("*" if size.reused else ""),
                 f"{_mib(size.gated_mib)} ({size.gated_label}{predicted})",
+                *([floor_split(size) or "-"] if with_floor else []),
                 _mib(size.others_max_mib),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
                                                                        else ""),
@@ -44,8 +68,26 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     if any(size.ratio_figure == "allocated" for rec in records for size in rec.sizes):
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
                    "which the ratio limit reads; the peak column is what nvidia-smi shows")
+    if with_floor:
+        out.append("floor: what an empty job of the same framework takes at that size (start-up, "
+                   "communicator; on GPU the CUDA context); job: the rest")
     out.extend(predicted_lines(records))
     return out
+
+
+def message_sections(records: Iterable[TestRecord]) -> list[tuple[str, list[str]]]:
+    """``(heading, lines)`` for each cause with messages: ``failed test: message``, under
+    "limits exceeded", "ranks that failed", ... (a record without a cause: under its status)."""
+    records = list(records)
+    sections = []
+    for cause, heading in SECTIONS:
+        lines = [f"{rec.status} {rec.test}: {m}" for rec in records if rec.cause == cause for m in rec.messages]
+        if lines:
+            sections.append((heading, lines))
+    other = [f"{rec.status} {rec.test}: {m}" for rec in records if rec.cause is None for m in rec.messages]
+    if other:
+        sections.append(("messages", other))
+    return sections
 
 
 def predicted_lines(records: Iterable[TestRecord]) -> list[str]:

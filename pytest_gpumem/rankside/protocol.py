@@ -113,7 +113,8 @@ def read_exit(workdir: Path, rank: int) -> ExitReport | None:
 @dataclass(frozen=True)
 class RankResult:
     outcome: str  # passed | failed | skipped
-    text: str = ""
+    text: str = ""  # pytest's report of the rank's failure (or the skip reason)
+    error: str = ""  # the failure in one line, as pytest's short summary gives it: "RuntimeError: boom"
 
 
 def write_result(workdir: Path, rank: int, result: RankResult) -> None:
@@ -124,7 +125,7 @@ def read_result(workdir: Path, rank: int) -> RankResult | None:
     data = read_json(workdir, rank, "result")
     if not isinstance(data, dict) or "outcome" not in data:
         return None
-    return RankResult(str(data["outcome"]), str(data.get("text", "")))
+    return RankResult(str(data["outcome"]), str(data.get("text", "")), str(data.get("error", "")))
 
 
 # --------------------------------------------------------------------------------------- config

@@ -29,6 +29,19 @@ if TYPE_CHECKING:
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
 
 WORKDIR_ENV = "GPUMEM_WORKDIR"
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the folder was removed under us
+        return None
+
+
+# The folder this interpreter started in, which it resolved relative PYTHONPATH entries against
+# (plugin.py imports this module as pytest starts, before pytester or a test changes folder):
+# the launch hands the ranks those entries made absolute (launching.launch.absolute_pythonpath).
+STARTUP_CWD = _cwd()
 LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
 SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
 # Rank-side switches, declared in settings.OPTIONS (gpumem_boxing, gpumem_fast_exit): the user's

@@ -1,0 +1,92 @@
+"""The order of a failed launch's text, from the launch's own record of how it ended (plain Python;
+the real launches that produce these records are in test_faults.py and test_rank_start.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pytest_gpumem.launching.failures import LaunchContext, RankOutcome, import_hint, problems
+from pytest_gpumem.launching.launch import LaunchResult, absolute_pythonpath
+
+
+def ctx(tmp_path: Path, **kw) -> LaunchContext:
+    return LaunchContext(**{"marker_env": {}, "cwd": tmp_path, "workdir": tmp_path, "timeout": 60.0,
+                            "body_mode": True, "python": "/venv/bin/python", **kw})
+
+
+def launch(**kw) -> LaunchResult:
+    return LaunchResult(**{"nproc": 3, "launcher": "direct", "command": [], "pids": {0: 10, 1: 11, 2: 12}, **kw})
+
+
+def test_the_first_failure_leads_the_others_follow_in_order_and_the_stopped_come_last(tmp_path):
+    run = launch(end="fail-fast", failed_at={2: 0.5, 0: 0.9}, ended_at={0: 1.0, 2: 0.6}, stopped=frozenset({1}),
+                 returncodes={0: 1, 1: -9, 2: 1})
+    outcomes = {0: RankOutcome(0, "failed", "[call] E   ValueError", "ValueError: late"),
+                1: RankOutcome(1, "missing", "killed by SIGKILL"),
+                2: RankOutcome(2, "failed", "[call] E   RuntimeError", "RuntimeError: first")}
+    found = problems(run, outcomes, ctx(tmp_path))
+    assert [text.splitlines()[0] for text in found] == [
+        "rank 2 of 3 failed: RuntimeError: first",
+        "rank 0 of 3 failed: ValueError: late",
+        "rank 1 of 3: stopped by pytest-gpumem after rank 2 failed (SIGTERM, then SIGKILL 3 s later)",
+    ]
+
+
+def test_a_timeout_names_the_hung_rank_with_its_stack_not_the_one_that_finished(tmp_path):
+    run = launch(nproc=2, pids={0: 10, 1: 11}, end="timeout", timed_out=True, duration_s=60.0,
+                 stopped=frozenset({1}), ended_at={0: 2.0}, stacks={1: '  File "t.py", line 3 in wait'})
+    found = problems(run, {0: RankOutcome(0, "passed"), 1: RankOutcome(1, "missing", "killed by SIGTERM")},
+                     ctx(tmp_path))
+    assert found == ["rank 1 of 2 hung: no result when the launch timed out after 60 s at nproc=2 (launcher direct)"
+                     "\n--- rank 1 Python stack when the timeout hit ---\n  File \"t.py\", line 3 in wait"]
+
+
+def test_a_timeout_after_every_rank_reported_says_so(tmp_path):
+    run = launch(nproc=1, pids={0: 10}, end="timeout", timed_out=True, stopped=frozenset({0}))
+    (found,) = problems(run, {0: RankOutcome(0, "passed")}, ctx(tmp_path))
+    assert found == ("launch timed out after 60 s at nproc=1 (launcher direct); ranks still running after their "
+                     "result: [0]")
+
+
+def test_a_rank_that_never_announced_itself_shows_its_output_and_why(tmp_path):
+    (tmp_path / "rank-0.log").write_text("python: Error while finding module specification for "
+                                         "'pytest_gpumem.rankside.rank' (ModuleNotFoundError: No module named "
+                                         "'pytest_gpumem')\n")
+    run = launch(nproc=1, pids={}, returncodes={0: 1}, ended_at={0: 0.1}, pythonpath="/nonexistent")
+    (found,) = problems(run, {0: RankOutcome(0, "missing", "exit code 1")},
+                        ctx(tmp_path, marker_env={"PYTHONPATH": "/nonexistent"}))
+    lines = found.splitlines()
+    assert lines[0] == ("rank 0 of 1 ended without a result (exit code 1) before the plugin's rank code started; "
+                        "last lines of its output:")
+    assert "No module named 'pytest_gpumem'" in lines[1]
+    assert lines[2].startswith("hint: the rank could not import pytest_gpumem with PYTHONPATH='/nonexistent', "
+                               "which the marker's env= sets in place of the session's: install the plugin into "
+                               "/venv/bin/python")
+
+
+def test_the_hint_names_who_set_the_pythonpath(tmp_path):
+    output = "ModuleNotFoundError: No module named 'pytest_gpumem'"
+    assert "relative entries 'src' are read from the ranks' folder" in import_hint(
+        output, "src", ctx(tmp_path, marker_env={"PYTHONPATH": "src"}))
+    assert "PYTHONPATH='/abs/src' (the session's, relative entries made absolute)" in import_hint(
+        output, "/abs/src", ctx(tmp_path))
+    assert "with no PYTHONPATH" in import_hint(output, None, ctx(tmp_path))
+    assert import_hint("ModuleNotFoundError: No module named 'torch'", None, ctx(tmp_path)) == ""
+
+
+def test_relative_pythonpath_entries_are_made_absolute_as_python_does():
+    assert absolute_pythonpath(".:src::/abs/x", "/repo") == "/repo:/repo/src:/repo:/abs/x"
+    assert absolute_pythonpath("src", None) == "src"
+
+
+def test_the_launchers_output_is_shown_once_for_ranks_without_a_log(tmp_path):
+    """torchrun that never started its ranks before the timeout: both ranks point at one copy."""
+    (tmp_path / "launcher.log").write_text("torchrun: starting\nReceived 15 death signal\n")
+    run = launch(nproc=2, launcher="torchrun", pids={}, end="timeout", timed_out=True, launcher_returncode=-9)
+    missing = {r: RankOutcome(r, "missing", "torchrun launcher killed by SIGKILL") for r in (0, 1)}
+    text = "\n".join(problems(run, missing, ctx(tmp_path)))
+    assert text.count("Received 15 death signal") == 1
+    assert text.splitlines()[0] == ("launch timed out after 60 s at nproc=2 (launcher torchrun); no rank had "
+                                    "started the plugin's rank code")
+    assert ("rank 1 of 2 ended without a result (torchrun launcher killed by SIGKILL) before the plugin's rank code "
+            "started; it left no log of its own (the launcher's output is above)") in text
