@@ -260,6 +260,11 @@ def write_cases(folder: Path) -> None:
         (folder / f"test_{case}_{nproc}.py").write_text(
             BODY + f"\n\nimport pytest\n\n\n@pytest.mark.gpumem(nproc={nproc}{launcher}, timeout=300)\n"
                    f"def test_{case}():\n    {case}()\n")
+        # The same test, importing the job (torch with it) in its body: pytest's own process then never
+        # loads torch to collect it (the ranks do, in the body).
+        (folder / f"test_{case}_{nproc}_lazy.py").write_text(
+            f"import pytest\n\n\n@pytest.mark.gpumem(nproc={nproc}{launcher}, timeout=300)\n"
+            f"def test_{case}():\n    from job_{case} import {case}\n\n    {case}()\n")
 
 
 def free_port() -> int:
@@ -270,7 +275,9 @@ def free_port() -> int:
 
 def command(kind: str, case: str, nproc: int) -> list[str]:
     if kind != "bare":
-        return [sys.executable, "-m", "pytest", "--gpumem", "-p", "no:cacheprovider", "-q", f"test_{case}_{nproc}.py"]
+        lazy = "_lazy" if kind == "lazy" else ""
+        return [sys.executable, "-m", "pytest", "--gpumem", "-p", "no:cacheprovider", "-q",
+                f"test_{case}_{nproc}{lazy}.py"]
     if nproc == 1:
         return [sys.executable, f"job_{case}.py"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -315,7 +322,8 @@ def ms(value: float | None) -> str:
 
 
 def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout: float = 300.0,
-          base: Path | None = None, budget_s: float = 400.0, sites_off: bool = False) -> list[str]:
+          base: Path | None = None, budget_s: float = 400.0, sites_off: bool = False,
+          lazy: bool = False) -> list[str]:
     """The part: run every case ``runs`` times (after a warm-up round), write and return the lines.
 
     ``base``: another checkout of pytest-gpumem (say main, before a change), measured alongside as a
@@ -338,7 +346,7 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     env.update(PYTEST_PLUGINS=",".join(plugins), SPEED_DEVICE="cuda" if device == "gpu" else "cpu",
                SPEED_MIB=str(mib), OMP_NUM_THREADS="1", GPUMEM_MISSING_BASELINE="ignore")
     roots = {"bare": ROOT, "plugin": ROOT, **({"base": base.resolve()} if base is not None else {}),
-             **({"nosites": ROOT} if sites_off else {})}
+             **({"nosites": ROOT} if sites_off else {}), **({"lazy": ROOT} if lazy else {})}
     envs = {}
     for kind, root in roots.items():
         floors = out / f"speed-floors-{kind}.json"
@@ -388,7 +396,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
 
     med = statistics.median
     names = {"plugin": f"pytest-gpumem {pytest_gpumem.__version__}", "base": "pytest-gpumem at BASE (before)",
-             "nosites": f"pytest-gpumem {pytest_gpumem.__version__} with --gpumem-sites=off"}
+             "nosites": f"pytest-gpumem {pytest_gpumem.__version__} with --gpumem-sites=off",
+             "lazy": f"pytest-gpumem {pytest_gpumem.__version__}, the test importing the job in its body"}
     lines = [f"speed: the bare job vs the same job as a pytest-gpumem test, {device.upper()} "
              f"({gpus} GPU{'s' if gpus != 1 else ''} visible), {datetime.date.today().isoformat()}",
              f"  Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -399,7 +408,7 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
                 if done < runs else ""),
              f"  command: python3 benchmarks/gpu_evidence.py OUT --parts speed --runs {runs}"
              + (f" --device {asked}" if asked != "auto" else "") + (" --base BASE" if base is not None else "")
-             + (" --sites-off" if sites_off else "")]
+             + (" --sites-off" if sites_off else "") + (" --lazy-import" if lazy else "")]
     for case, nproc in CASES:
         name = case_name(case, nproc, device, mib)
         if (case, nproc) in skipped:
@@ -452,10 +461,13 @@ def main() -> None:
                         help="start no round that would end past this many seconds (default 400)")
     parser.add_argument("--sites-off", action="store_true",
                         help="also measure the plugin with --gpumem-sites=off (what recording peak sites costs)")
+    parser.add_argument("--lazy-import", action="store_true",
+                        help="also measure the test importing its job (torch) in its body, not at module level")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    speed(out / "cases", out, args.runs, args.device, base=args.base, budget_s=args.budget_s, sites_off=args.sites_off)
+    speed(out / "cases", out, args.runs, args.device, base=args.base, budget_s=args.budget_s, sites_off=args.sites_off,
+          lazy=args.lazy_import)
 
 
 if __name__ == "__main__":
