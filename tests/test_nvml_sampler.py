@@ -397,3 +397,15 @@ def test_driver_without_cuda_version_call_still_names_the_driver():
     nvml = FakeNvml([FakeGpu(0)], missing=("nvmlSystemGetCudaDriverVersion",))
     assert driver_versions(nvml) == {"nvidia_driver": "580.159.04"}
     assert driver_versions(FakeNvml([], driver=False)) == {}
+
+
+def test_a_session_that_launches_on_gpus_keeps_nvml_up_between_launches(monkeypatch):
+    """Each launch's GPU check, driver versions and sampler init and shut NVML down; with the library
+    held open for the session they count references instead of starting it again."""
+    fake = FakeNvml([FakeGpu(uuid(1))])
+    monkeypatch.setattr(nvml_module, "_held", [])
+    monkeypatch.setattr("atexit.register", lambda fn, *args: None)
+    assert nvml_module.hold_open(fake) and fake.init_count == 1
+    assert not nvml_module.hold_open(fake)  # once per session
+    assert len(visible_gpus(env={}, nvml=fake)) == 1 and fake.init_count == 1
+    assert not nvml_module.hold_open(FakeNvml([], driver=False))  # no driver: nothing to hold

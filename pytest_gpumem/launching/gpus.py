@@ -12,6 +12,7 @@ from ..sampling.nvml import (
     NvmlSampler,
     driver_versions,
     foreign_processes,
+    hold_open,
     visible_gpus,
 )
 from .leases import GpuLeases, LeaseError
@@ -54,6 +55,8 @@ class GpuPlanner:
         def plan(spec: Spec, nproc: int, owner: str) -> GpuPlan:
             if not planner:
                 planner.append(cls.for_this_machine(lease_dir, wait_s, interval_s))
+                if planner[0].leases is not None:
+                    hold_open()  # this session launches on GPUs: NVML stays up between launches
             return planner[0](spec, nproc, owner)
 
         return plan

@@ -197,6 +197,23 @@ def _shutdown(nvml: Any) -> None:
         pass
 
 
+_held: list[Any] = []
+
+
+def hold_open(nvml: Any = None) -> bool:
+    """Keep NVML initialised until the process exits: every later nvmlInit/nvmlShutdown pair (each
+    launch's GPU check, driver versions and sampler) is then a reference count, not the library's
+    start and stop. For the pytest session that launches on GPUs."""
+    nvml = _pynvml if nvml is None else nvml
+    if nvml is None or any(held is nvml for held in _held) or not _init(nvml):
+        return False
+    import atexit
+
+    _held.append(nvml)
+    atexit.register(_shutdown, nvml)
+    return True
+
+
 def visible_gpus(env: Mapping[str, str] | None = None, nvml: Any = None) -> list[GpuDevice]:
     """The GPUs a child process would see, in CUDA order; [] when NVML cannot start (no driver)."""
     nvml = _pynvml if nvml is None else nvml
