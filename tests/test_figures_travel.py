@@ -1,7 +1,7 @@
 """The gated host figure depends on the code, not on the install or the run.
 
 The same job, through two copies of a framework's library files and run again, must give the same
-gated figure (the peak of live allocations) within 1 MiB (2 MiB with a peer). The resident
+gated figure (the peak of live allocations) within ``ALLOWED_SPREAD_MIB``. The resident
 high-water mark (VmHWM) follows the page cache: it moved by tens of MiB between copies on some
 runs (benchmarks/results/figures.txt) and by under 1 MiB on others, so it is shown in the failure
 message, not required to move. Real launches, real frameworks, a communicating job (DDP on gloo,
@@ -14,11 +14,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 pytestmark = pytest.mark.slow
+
+# The most the gated figure may move over the test's 3 runs, per world size, in MiB, from the spreads
+# in benchmarks/results/travel_spread.txt (benchmarks/travel_spread.py): reruns of one install moved
+# by at most 0.011 MiB (torch 0.008 over 20 runs, OneFlow 0.011 over 8), a copy at a path of the same length read
+# up to 0.12 MiB below the installed torch (0.04 for OneFlow), at both sizes. 0.5 MiB is 4x the
+# largest, and half of the 1 MiB arena step that the figure took before Python's allocations were
+# traced one by one (which made this test fail once in four `make test` runs).
+ALLOWED_SPREAD_MIB = {1: 0.5, 2: 0.5}
 
 TORCH_JOB = '''
 import os
@@ -72,18 +82,39 @@ def _package_dir(name: str) -> Path:
     return Path(spec.origin).parent
 
 
+def _folder_as_long_as(site: Path, base: Path) -> Path:
+    """A new folder under ``base`` whose path has as many characters as ``site``'s.
+
+    The figure counts the bytes of every string that names a framework file (a module's
+    ``__file__``, its code objects' file names): torch through a path 36 characters shorter read
+    0.32 MiB less (benchmarks/results/travel_spread.txt). With paths of one length, two installs
+    differ only in where the files lie.
+    """
+    pad = len(str(site)) - len(str(base)) - 1
+    folder = base / ("x" * pad) if pad > 0 else base / "c"
+    folder.mkdir()
+    return folder
+
+
 @pytest.fixture(scope="module")
-def framework_copy(request, tmp_path_factory) -> tuple[Path, Path]:
+def framework_copy(request) -> Iterator[tuple[Path, Path]]:
     """(the installed package's site folder, a folder holding a fresh copy of its files)."""
     name = request.param
     pytest.importorskip(name)
     installed = _package_dir(name)
-    copy = tmp_path_factory.mktemp(f"{name}-copy")
-    shutil.copytree(installed, copy / name, ignore=shutil.ignore_patterns("include", "*.a"))
-    libs = installed.parent / f"{name}.libs"  # auditwheel's vendored libraries (OneFlow has them)
-    if libs.is_dir():
-        shutil.copytree(libs, copy / libs.name)
-    return installed.parent, copy
+    base = Path(tempfile.mkdtemp(prefix=f"{name}-"))  # short, so that the copy's path can match the site's
+    try:
+        copy = _folder_as_long_as(installed.parent, base)
+        if len(str(copy)) != len(str(installed.parent)):
+            pytest.skip(f"{name} is installed under a path shorter than a temporary folder's ({installed.parent}): "
+                        "a copy cannot lie at a path of the same length")
+        shutil.copytree(installed, copy / name, ignore=shutil.ignore_patterns("include", "*.a"))
+        libs = installed.parent / f"{name}.libs"  # auditwheel's vendored libraries (OneFlow has them)
+        if libs.is_dir():
+            shutil.copytree(libs, copy / libs.name)
+        yield installed.parent, copy
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _measure(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path,
@@ -123,9 +154,7 @@ def test_gated_figure_holds_across_installs_and_reruns(pytester, monkeypatch, la
         gated = [run[nproc][0] for run in runs.values()]
         hwm = [run[nproc][1] for run in runs.values()]
         summary = {label: run[nproc] for label, run in runs.items()}
-        # With a peer, the communication threads' short-lived buffers land a little earlier or later
-        # against the main thread's peak: the torch DDP example spread 1.1-1.3 MiB over 13 runs at
-        # nproc=2 (benchmarks/results/figures.txt), 0.2 MiB at nproc=1.
-        allowed = 1.0 if nproc == 1 else 2.0
+        allowed = ALLOWED_SPREAD_MIB[nproc]
         assert max(gated) - min(gated) <= allowed, (
-            f"nproc={nproc}: gated figure moved (VmHWM spread {max(hwm) - min(hwm):.1f} MiB): {summary}")
+            f"nproc={nproc}: gated figure moved by more than {allowed} MiB "
+            f"(VmHWM spread {max(hwm) - min(hwm):.1f} MiB): {summary}")

@@ -152,12 +152,12 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
                  torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
     from ..sampling.allocations import METHOD as ALLOC_METHOD
-    from ..sampling.identity import host_provenance
+    from ..sampling.identity import cpu_provenance, host_provenance
     from . import protocol
 
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
-    provenance = {**host_provenance(os.environ), **framework_versions(),
+    provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,

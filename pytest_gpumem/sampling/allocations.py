@@ -7,6 +7,15 @@ runs). The peak of live allocations depends on the code only: memray sees every
 malloc/calloc/realloc/posix_memalign/mmap (and their frees) of every thread of the process,
 so a spike of any length counts, and the same job reads the same figure on any install.
 
+Python's own objects are counted one by one (memray's ``trace_python_allocators``): each
+PyObject/PyMem allocation at the size asked for. Untraced, CPython's small-object allocator
+(pymalloc) shows up only as the 1 MiB arenas it maps, and whether one more arena is live at the
+peak depends on how full the arenas were when tracking started and on their fragmentation, not on
+the code: the same torch DDP job read 188.677 MiB in 22 of 24 reruns, 187.677 in one (the same
+bytes of every other allocator at the peak, one arena fewer) and 188.025 in another
+(benchmarks/results/travel_spread.txt). Counted one by one, the figure is the bytes live at the
+peak, the same in every rerun (the arenas' unused space, ~7 MiB in that job, is not counted).
+
 What it does not see: pages reserved but never allocated through those calls (the interpreter's
 own start-up before the tracker starts, the executable's and libraries' mapped files), whether
 allocated pages were touched, and forked children (not followed).
@@ -64,7 +73,7 @@ class AllocationTracker:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         try:
-            tracker = memray.Tracker(self.path, native_traces=False, follow_fork=False,
+            tracker = memray.Tracker(self.path, native_traces=False, follow_fork=False, trace_python_allocators=True,
                                      file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)
             tracker.__enter__()
         except Exception as exc:  # e.g. another tracker is active in this process

@@ -13,7 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "MALLOC_ARENA_MAX")
+ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "MALLOC_ARENA_MAX",
+             # the CPU code paths of torch's math libraries (docs/host.md: MKL's moves the host figure)
+             "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
 
 
@@ -70,3 +72,61 @@ def host_provenance(env: Mapping[str, str]) -> dict[str, str]:
                 value = "~" if value == home else value.replace(home + "/", "~/")
             out[f"env.{key}"] = value
     return out
+
+
+# The ISA ladder MKL and oneDNN dispatch on, best first: (name, the /proc/cpuinfo flag that proves it).
+_ISA_LADDER = (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx"), ("sse4_2", "sse4_2"))
+
+
+def cpu_provenance(root: str | Path = "/") -> dict[str, str]:
+    """The CPU facts that move torch's host figure, as flat strings (only those found; no hostnames).
+
+    Measured on one Intel Xeon (docs/host.md): torch's CPU matmuls run in MKL, whose packing buffers
+    are live allocations sized by the kernel MKL picks: by vendor (``mkl_serv_intel_cpu_true``:
+    other vendors get other kernels) and by instruction set (AVX-512 vs AVX2 moved the examples by
+    +4.3 and -2.6 MiB), the blocking of those kernels by the cache sizes. ``root`` is where
+    ``proc/cpuinfo`` and ``sys/devices/system/cpu`` are read (tests pass a fake tree).
+    """
+    return dict(_cpu_facts(str(root)))
+
+
+@lru_cache(maxsize=4)
+def _cpu_facts(root: str) -> tuple[tuple[str, str], ...]:
+    base = Path(root)
+    facts: dict[str, str] = {}
+    first: dict[str, str] = {}
+    processors = 0
+    with contextlib.suppress(OSError):
+        for line in (base / "proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            key = key.strip()
+            if not sep:
+                continue
+            if key == "processor":
+                processors += 1
+            if processors <= 1 and key not in first:
+                first[key] = " ".join(value.split())
+    if first.get("model name"):
+        facts["cpu_model"] = first["model name"]
+    if first.get("vendor_id"):
+        facts["cpu_vendor"] = first["vendor_id"]
+    flags = set(first.get("flags", "").split())
+    if flags:
+        facts["cpu_isa"] = next((name for name, flag in _ISA_LADDER if flag in flags), "baseline")
+    if processors:
+        facts["cpu_count"] = str(processors)
+    for index in sorted((base / "sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        with contextlib.suppress(OSError, ValueError):
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            if level in ("2", "3") and kind in ("Unified", "Data"):
+                facts[f"l{level}_cache"] = _kib((index / "size").read_text().strip())
+    return tuple(facts.items())
+
+
+def _kib(size: str) -> str:
+    """A sysfs cache size ("2048K", "32M") as "2048 KiB"."""
+    scale = {"K": 1, "M": 1024, "G": 1024 * 1024}
+    if size[-1:].upper() in scale:
+        return f"{int(size[:-1]) * scale[size[-1].upper()]} KiB"
+    return f"{int(size) // 1024} KiB"  # plain bytes
