@@ -174,7 +174,8 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
         host_interval_s=interval, floor=settings.floor, gpu_sampler=settings.gpu_sampler,
         floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
-        track_host=settings.track_host, sites=settings.sites, rank_env=settings.rank_env(),
+        track_host=settings.track_host, sites=settings.sites, python_allocations=settings.python_allocations,
+        rank_env=settings.rank_env(),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

@@ -240,6 +240,7 @@ class ParentSide:
                 floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
                 track_host=resolved.track_host,
                 sites=resolved.sites,
+                python_allocations=resolved.python_allocations,
                 gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
                 gpu_sampler=resolved.gpu_sampler,
                 slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),

@@ -700,6 +700,7 @@ BAD_VALUES = {
     "fast_exit": "sometimes",
     "boxing": "maybe",
     "sites": "some",
+    "python_allocations": "bytes",
     "nnodes": "two",
     "srun_args": '--gpus-per-task="1',  # an unclosed quote
     "max_nproc": "-2",

@@ -158,3 +158,23 @@ def test_gated_figure_holds_across_installs_and_reruns(pytester, monkeypatch, la
         assert max(gated) - min(gated) <= allowed, (
             f"nproc={nproc}: gated figure moved by more than {allowed} MiB "
             f"(VmHWM spread {max(hwm) - min(hwm):.1f} MiB): {summary}")
+
+
+def test_counting_python_objects_by_arena_is_the_cheaper_coarser_choice(pytester, launch_tag):
+    """``--gpumem-python-allocations=arenas`` counts CPython's small objects by the 1 MiB arenas they
+    live in: never less than the objects themselves, whole arenas of free space included."""
+    pytester.makepyfile(test_job='''
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+def test_job():
+    held = [str(i) * 3 for i in range(200_000)]  # ~12 MiB of small objects, pymalloc's
+    assert len(held) == 200_000
+''')
+    figures = {}
+    for mode in ("objects", "arenas"):
+        report = pytester.path / f"{mode}.json"
+        pytester.runpytest("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}",
+                           f"--gpumem-python-allocations={mode}").assert_outcomes(passed=1)
+        figures[mode] = json.loads(report.read_text())["tests"][0]["sizes"][0]["gated_mib"]
+    assert figures["arenas"] >= figures["objects"] > 10.0, figures

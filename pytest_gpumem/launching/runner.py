@@ -22,6 +22,7 @@ from ..rankside.rank import (
     GPU_IN_RANK_ENV,
     GPU_INTERVAL_ENV,
     HISTORY_ENV,
+    PYTHON_ALLOCATIONS_ENV,
     ROOTDIR_ENV,
     SITES_ENV,
     SNAPSHOT_ENV,
@@ -101,6 +102,7 @@ class Runner:
         track_host: str = "auto",
         sites: str = "auto",
         gpu_history: bool = False,
+        python_allocations: str = "objects",
         gpu_sampler: str = "parent",
         rank_env: Mapping[str, str] | None = None,
         slurm_options: slurm.SlurmOptions | None = None,
@@ -122,6 +124,7 @@ class Runner:
         self.track_host = track_host  # auto | on | off: memray in each rank (see _tracks_host)
         self.sites = sites  # auto | on | off: peak sites (auto: GPU ones from a relaunch, see relaunch_for_sites)
         self.gpu_history = gpu_history or sites == "on"  # record torch's allocator history in every launch
+        self.python_allocations = python_allocations  # objects | arenas: how the tracker counts Python's
         self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
         self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
 
@@ -302,7 +305,8 @@ class Runner:
 
         # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
         side_env = {ROOTDIR_ENV: str(self.rootdir), SITES_ENV: "0" if self.sites == "off" else "1",
-                    HISTORY_ENV: "1" if history or self.gpu_history else "0"}
+                    HISTORY_ENV: "1" if history or self.gpu_history else "0",
+                    PYTHON_ALLOCATIONS_ENV: self.python_allocations}
         if self.snapshot_dir is not None:
             side_env[SNAPSHOT_ENV] = "1"
         if self._in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU

@@ -53,6 +53,7 @@ TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figu
 GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
 GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
 SITES_ENV = "GPUMEM_SITES"  # 0: no peak sites (no memray site read-back, no torch allocator history)
+PYTHON_ALLOCATIONS_ENV = "GPUMEM_PYTHON_ALLOCATIONS"  # "arenas": Python's objects counted by pymalloc's arenas
 HISTORY_ENV = "GPUMEM_GPU_HISTORY"  # 1: record torch's CUDA allocator history for the GPU sites (set by the parent)
 ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the parent)
 
@@ -242,7 +243,8 @@ def main(argv: list[str]) -> None:
         install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
     sites = not switched_off(SITES_ENV)
     root = Path(os.environ[ROOTDIR_ENV]) if os.environ.get(ROOTDIR_ENV) else None
-    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root)
+    objects = os.environ.get(PYTHON_ALLOCATIONS_ENV, "objects").strip().lower() != "arenas"
+    tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root, objects=objects)
     if not switched_off(TRACK_ENV):
         tracker.start()  # before the target imports anything: the frameworks' own allocations count
     history = sites and os.environ.get(HISTORY_ENV) == "1"

@@ -54,8 +54,9 @@ class AllocationTracker:
     only the high-water mark is read back.
     """
 
-    def __init__(self, path: Path, sites: bool = False, root: Path | None = None) -> None:
+    def __init__(self, path: Path, sites: bool = False, root: Path | None = None, objects: bool = True) -> None:
         self.path = path
+        self.objects = objects  # count Python's objects one by one (exact); False: by their 1 MiB arenas
         self.problem: str | None = None
         self.sites_wanted = sites  # also read the sites live at the peak and the live heap over time
         self.root = root  # sites are named relative to it (the rootdir)
@@ -73,7 +74,8 @@ class AllocationTracker:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         try:
-            tracker = memray.Tracker(self.path, native_traces=False, follow_fork=False, trace_python_allocators=True,
+            tracker = memray.Tracker(self.path, native_traces=False, follow_fork=False,
+                                     trace_python_allocators=self.objects,
                                      file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)
             tracker.__enter__()
         except Exception as exc:  # e.g. another tracker is active in this process
