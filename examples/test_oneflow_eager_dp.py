@@ -4,8 +4,8 @@ Rank-0 peak of live allocations (the gated host figure), OneFlow 0.9.0, pytest l
 rank by `python -m oneflow.distributed.launch`, MiB:
 
     test                              nproc=1   nproc=2
-    test_oneflow_eager_dp               213.5    215.8 (1.01x)
-    test_oneflow_eager_dp_inflated      341.5    599.8 (1.76x)
+    test_oneflow_eager_dp               212.9    215.2 (1.01x)
+    test_oneflow_eager_dp_inflated      340.9    599.2 (1.76x)
 
 Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 272 and 426 MiB, so the healthy test
 passes by ~56 MiB and the inflated one fails by ~174 MiB. (Resident memory also counts OneFlow's

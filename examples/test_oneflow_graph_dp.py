@@ -3,14 +3,20 @@
 Rank-0 peak of live allocations (the gated host figure), OneFlow 0.9.0, pytest launched in each
 rank by `python -m oneflow.distributed.launch`, MiB:
 
-    test                              nproc=1   nproc=2
-    test_oneflow_graph_dp               257.2    275.2 (1.07x)
-    test_oneflow_graph_dp_inflated      321.3    580.5 (1.81x)
+    test                              nproc=1            nproc=2
+    test_oneflow_graph_dp             256.7 or 224.7     274.7 (1.07x or 1.22x)
+    test_oneflow_graph_dp_inflated    320.8 or 288.8     580.0 (1.81x or 2.01x)
 
-Gate `max_ratio=1.2, allow_mib=16`: at nproc=2 the limits are 325 and 402 MiB, so the healthy test
-passes by ~50 MiB and the inflated one fails by ~179 MiB. `print(graph)` after the first call shows
-the bug: the batch goes through a `hierarchical_parallel_cast` to sbp B and every op after it runs on
-the whole global batch.
+At nproc=1 the figure has two values 32.0 MiB apart: OneFlow's actor threads call OpenBLAS's sgemm,
+and when two calls overlap OpenBLAS maps a second 32 MiB work buffer, which it keeps (each test read
+the lower value in 5 of 16 reruns: benchmarks/results/oneflow_blas_buffer.txt, docs/host.md). So
+these tests allow one buffer more than the examples' other tests: their baselines compare within
+`max(2%, 40MiB)` (not 16), and their ratio gate is `max_ratio=1.2, allow_mib=48` (not 16). At
+nproc=2 the limits are then 356 (or 318) and 433 (or 395) MiB, so the healthy test passes by ~81 (or
+~43) MiB and the inflated one fails by ~147 (or ~185) MiB.
+
+`print(graph)` after the first call shows the bug: the batch goes through a
+`hierarchical_parallel_cast` to sbp B and every op after it runs on the whole global batch.
 
 `EXAMPLE_BATCH_SBP=broadcast` plays the pull request that introduces the bug into the healthy test:
 its committed baseline, its declared config and its boxing audit then explain the failure
@@ -23,6 +29,9 @@ import pytest
 flow = pytest.importorskip("oneflow")
 
 LOCAL_BATCH, FEATURES, HIDDEN, CLASSES, STEPS = 1024, 16384, 64, 10, 3  # 64 MiB of batch per rank
+# One OpenBLAS work buffer (32 MiB, mapped when two actor threads' sgemm calls overlap) more than the
+# examples' other tests allow: 32 + 8 MiB against the baseline, 32 + 16 MiB over the ratio.
+BLAS_BUFFER_TOLERANCE = "max(2%, 40MiB)"
 
 
 class TrainGraph(flow.nn.Graph):
@@ -56,7 +65,8 @@ def _train(broadcast_batch):
     return loss.to_global(sbp=bcast).to_local().item()
 
 
-@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=48, launcher="oneflow",
+                    tolerance=BLAS_BUFFER_TOLERANCE)
 def test_oneflow_graph_dp(gpumem_config):
     """Healthy nn.Graph DP: each rank holds 1/world of the global batch, so its peak stays flat."""
     batch_sbp = os.environ.get("EXAMPLE_BATCH_SBP", "split")
@@ -64,7 +74,8 @@ def test_oneflow_graph_dp(gpumem_config):
     assert _train(broadcast_batch=batch_sbp == "broadcast") > 0
 
 
-@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=16, launcher="oneflow")
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.2, allow_mib=48, launcher="oneflow",
+                    tolerance=BLAS_BUFFER_TOLERANCE)
 @pytest.mark.xfail(
     strict=True,
     reason="an S(0) -> B boxing of the batch inflates per-rank memory with the world size: the plugin must catch it",

@@ -75,7 +75,12 @@ def test_an_nn_graph_twin_lists_the_line_that_runs_the_graph(tmp_path):
     assert size1 is not None and size2 is not None and size1.gated_mib and size2.gated_mib
     first = record.grown_sites[0]
     assert first.label.startswith(f"{path}:{line_of(path, 'loss = graph(x, y)')} "), first.label
-    assert abs(first.growth - (size2.gated_mib - size1.gated_mib)) <= 4.0, (first, size1.gated_mib, size2.gated_mib)
+    # nproc=1 holds one OpenBLAS buffer (32 MiB, mapped on an actor thread) or two, by thread timing
+    # (docs/host.md): the line and the native code together make up the growth
+    native = re.search(r"native code ([+-]\d+\.\d) MiB", record.sites_summary)
+    grown = first.growth + (float(native.group(1)) if native else 0.0)
+    assert abs(grown - (size2.gated_mib - size1.gated_mib)) <= 4.0, (first, record.sites_summary, size1.gated_mib,
+                                                                    size2.gated_mib)
     assert first_site_line(stdout) == first.line()
     assert "nn.Graph boxing (SBP conversions) at nproc=2" in stdout
 
