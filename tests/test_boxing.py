@@ -335,6 +335,7 @@ out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
 boxing.install_graph_hook(out / f"rank-{rank}.boxing")   # as rank.py would, before any import
 assert "oneflow" not in sys.modules
 
+import numpy as np
 import oneflow as flow
 
 F, C, N = 8, 4, 4
@@ -370,14 +371,22 @@ class TrainGraph(flow.nn.Graph):
 
 
 def train(variant, hooked=True):
-    flow.manual_seed(0)
-    model = Model(mix=variant == "b").to_global(placement=placement, sbp=B)
+    # Weights and batch from numpy, not OneFlow's generators: global random ops run asynchronously
+    # and did not always draw the same values for the same seed, which would make "changes nothing"
+    # compare two different computations.
+    values = np.random.RandomState(0)
+    model = Model(mix=variant == "b")
+    model.lin.weight = flow.nn.Parameter(flow.tensor(values.standard_normal((C, F)), dtype=flow.float32))
+    model.lin.bias = flow.nn.Parameter(flow.tensor(values.standard_normal(C), dtype=flow.float32))
+    model = model.to_global(placement=placement, sbp=B)
     if variant == "b":
         model.mix = flow.nn.Parameter(flow.zeros(F, F, placement=placement, sbp=S0))
     graph = TrainGraph(model, flow.optim.SGD(model.parameters(), lr=0.1))
     call = graph if hooked else lambda *a: type(graph).__call__.__wrapped__(graph, *a)  # around the hook
-    x = flow.randn(N * world, F, placement=placement, sbp=S0)
-    y = flow.randint(0, C, (N * world,), placement=placement, sbp=S0)
+    rows = slice(rank * N, (rank + 1) * N)  # this rank's shard of the global batch
+    x = flow.tensor(values.standard_normal((N * world, F))[rows], dtype=flow.float32)
+    y = flow.tensor(values.randint(0, C, N * world)[rows], dtype=flow.int64)
+    x, y = x.to_global(placement=placement, sbp=S0), y.to_global(placement=placement, sbp=S0)
     losses = [float(call(x, y).to_global(sbp=B).to_local().numpy()) for _ in range(3)]
     return graph, losses
 
