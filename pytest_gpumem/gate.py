@@ -280,6 +280,9 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     if snapshots:
         lines.append("  torch memory snapshots (pytorch.org/memory_viz):")
         lines.extend(snapshots)
+    if any(check.kind == "baseline" for check in verdict.failures):
+        lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
+                     "commit the baseline file with the change")
     return "\n".join(lines)
 
 

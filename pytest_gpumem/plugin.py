@@ -211,6 +211,7 @@ class ParentSide:
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[TestRecord] = []
+        self.plots_written: list[Path] = []
         self.is_worker = hasattr(config, "workerinput")
         self._machinery: tuple[Gate, Runner] | None = None
         self._capacity: Capacity | None = None
@@ -343,6 +344,10 @@ class ParentSide:
             terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")
             for line in lines:
                 terminalreporter.write_line(line)
+        if self.plots_written:  # pytest's own sessionfinish hook runs this summary after ours wrote them
+            count = len(self.plots_written)
+            terminalreporter.write_line(f"gpumem: {count} plot{'s' if count > 1 else ''} written to "
+                                        f"{self.settings.plots}")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """The controller writes each output once, covering every xdist worker."""
@@ -368,7 +373,7 @@ class ParentSide:
         if s.plots is not None:
             from .presentation import plots
 
-            plots.plot_all(records, s.plots)
+            self.plots_written = plots.plot_all(records, s.plots)
 
 
 def _write(path: Path, text: str) -> None:

@@ -36,6 +36,19 @@ def test_peak_timing_and_imbalance():
         "nproc=2 (3.0 s): rank 0 900.0 MiB at 1.50s, rank 1 600.0 MiB at 2.50s; imbalance 33.3%"]
 
 
+def test_peak_time_is_read_from_the_gated_curve_not_resident_memory():
+    """The plot marks the live heap's peak; the failure text must name the same moment, not the later
+    one when resident memory (which frees nothing back) was highest."""
+    rss = ((0.5, {0: 300.0}), (1.0, {0: 500.0}), (1.8, {0: 520.0}))
+    live = ((0.5, {0: 200.0}), (1.0, {0: 420.0}), (1.8, {0: 100.0}))
+    host = SizeResult(world_size=1, device="cpu", duration_s=2.0, peaks={0: Peak(420.0, "live allocations (memray)")},
+                      timeline=rss, live_timeline=live)
+    assert peak_times(host) == {0: 1.0}
+    gpu = SizeResult(world_size=1, device="gpu", duration_s=2.0, peaks={0: Peak(520.0, "per-pid sampled")},
+                     timeline=rss, live_timeline=live)  # on a GPU the live curve is the allocator's, not gated
+    assert peak_times(gpu) == {0: 1.8}
+
+
 @pytest.mark.slow
 def test_failure_report_names_the_changed_flag_first(pytester, launch_tag, monkeypatch):
     pytester.makepyfile('''

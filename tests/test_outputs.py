@@ -434,3 +434,40 @@ def test_terminal_lists_crashes_and_limits_under_their_own_headings_in_pytests_w
                                                                   "RuntimeError"])]
     row = next(line for line in table([crashed]) if line.startswith("t/a.py::test_error"))
     assert row.endswith("failed (crash)") and "ERROR" not in row
+
+
+def test_a_rank_shown_by_its_resident_memory_is_labelled_so_in_the_table():
+    """Rank 1 raised, rank 0 was stopped before it could report its live allocations: the table must
+    not put rank 0's resident high-water mark beside rank 1's live allocations unlabelled."""
+    from pytest_gpumem.presentation.report import table
+
+    stopped = dataclasses.replace(size(2, 78.8, device="cpu", method="live allocations (memray)"),
+                                  ranks={0: RankPeak(78.8, "high-water mark (no allocation peak reported)"),
+                                         1: RankPeak(13.2, "live allocations (memray)")}, others_max_mib=13.2)
+    lines = table([rec("t::raises", "failed/crash", stopped)])
+    row = next(line for line in lines if line.startswith("t::raises"))
+    assert "78.8 (rank 0, VmHWM)" in row and "13.2 " in row and "13.2 VmHWM" not in row
+    assert any(line.startswith("VmHWM: a rank that ended without reporting") for line in lines)
+    bystander = dataclasses.replace(stopped, ranks={0: RankPeak(13.0, "live allocations (memray)"),
+                                                    1: RankPeak(78.8, "high-water mark (no allocation peak reported)")},
+                                    gated_mib=13.0, others_max_mib=78.8)
+    row = next(line for line in table([rec("t::raises", "failed/crash", bystander)]) if line.startswith("t::raises"))
+    assert "13.0 (rank 0)" in row and "78.8 VmHWM" in row
+    healthy = table([rec("t::ok", "passed", size(2, 13.0, device="cpu", method="live allocations (memray)"))])
+    assert "VmHWM" not in "\n".join(healthy)
+
+
+def test_a_refresh_that_stores_a_failing_figure_says_so():
+    """`gpumem refresh` stores what it measured even when the run fails a limit (the contract); the
+    reviewer of the baseline diff must not take that figure for a healthy one."""
+    from pytest_gpumem.judging.record import BaselineChange
+    from pytest_gpumem.presentation.report import refresh_lines
+
+    failing = dataclasses.replace(rec("t::inflated", "failed/limit", size(2, 613.2)),
+                                  baseline_changes=(BaselineChange(2, None, 613.2),))
+    healthy = dataclasses.replace(rec("t::ok", "passed", size(2, 293.2)),
+                                  baseline_changes=(BaselineChange(2, 290.0, 293.2),))
+    assert refresh_lines([failing, healthy]) == [
+        "t::inflated nproc=2: (new) -> 613.2 MiB (this run fails its limits: the baseline now records that; "
+        "review before committing)",
+        "t::ok nproc=2: 290.0 -> 293.2 MiB (+1.1%)"]

@@ -32,6 +32,7 @@ def test_report_junit_markdown_plots_and_benchmark(pytester, launch_tag, monkeyp
         pytest.importorskip("xdist")
     summary = pytester.path / "step_summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    monkeypatch.setenv("COLUMNS", "200")  # pytest cuts its short summary at the terminal's width
     pytester.makepyfile(test_suite=SUITE)
     result = pytester.runpytest_subprocess(  # matplotlib/numpy cannot be imported twice in one process
         "--gpumem", "-p", "no:cacheprovider", *workers,
@@ -39,6 +40,9 @@ def test_report_junit_markdown_plots_and_benchmark(pytester, launch_tag, monkeyp
         "--gpumem-benchmark-json=out/bench.json", "--junitxml=out/junit.xml",
     )
     result.assert_outcomes(passed=3, failed=1)
+    # pytest's one-line summary carries the numbers, not only that a limit broke
+    result.stdout.fnmatch_lines(["FAILED test_suite.py::test_over_cap - gpumem: memory limit exceeded at nproc=2: "
+                                 "rank 0 *.* MiB > max_mib 20.0 MiB"])
     out = pytester.path / "out"
 
     report = json.loads((out / "report.json").read_text())
@@ -62,6 +66,8 @@ def test_report_junit_markdown_plots_and_benchmark(pytester, launch_tag, monkeyp
 
     pngs = sorted((out / "plots").glob("*.png"))
     assert len(pngs) == 4 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    result.stdout.fnmatch_lines(["gpumem: 4 plots written to out/plots"])  # where to look, as the user wrote it
+    assert result.stdout.str().count("plots written to") == 1
 
     bench = json.loads((out / "bench.json").read_text())
     assert {b["unit"] for b in bench} == {"MiB"} and len(bench) == 7  # 3 x 2 sizes + 1

@@ -35,7 +35,9 @@ def test_max_mib_every_size_first_failure_named():
     s = spec(nproc=[1, 2, 4], max_mib=1000)
     v = judge(s, [result(1, 900), result(2, 1100, 900), result(4, 1300, 1, 1, 1)])
     assert [c.world_size for c in v.failures] == [2, 4]
-    assert v.render().splitlines()[0] == "gpumem: memory limit exceeded at nproc=2"
+    # the first line is what pytest's short summary shows: the numbers, not only that a limit broke
+    assert v.render().splitlines()[0] == ("gpumem: memory limit exceeded at nproc=2: rank 0 1100.0 MiB > max_mib "
+                                          "1000.0 MiB (and 1 more)")
     assert "2: 1100.0 MiB (1.22x) FAIL" in v.summary_line()
 
 

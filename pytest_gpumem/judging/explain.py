@@ -43,9 +43,12 @@ def config_provenance(config: Mapping[str, object]) -> dict[str, str]:
 
 
 def peak_times(result: SizeResult) -> dict[int, float]:
-    """When each rank's memory was highest in the timeline (seconds since the launch started)."""
+    """When each rank's gated figure was highest (seconds since the launch started): on the host its
+    live heap where it was tracked (resident memory peaks later, and is not what is gated), else the
+    sampled figure (on a GPU, NVML's: the device figure)."""
+    timeline = result.live_timeline if result.device == "cpu" and result.live_timeline else result.timeline
     best: dict[int, tuple[float, float]] = {}
-    for t, point in result.timeline:
+    for t, point in timeline:
         for rank, mib in point.items():
             if rank not in best or mib > best[rank][0]:
                 best[rank] = (mib, t)

@@ -161,6 +161,15 @@ class Check:
     figure: str = ""  # DEVICE, ALLOCATED or HOST: what was compared with the limit
     advisory: bool = False  # a predicted size whose model could not be validated: shown, never failing
 
+    def headline(self) -> str:
+        """The check in a few words, for pytest's one-line summary: ``rank 0 613.2 MiB > ratio limit 521.4 MiB``."""
+        if self.measured_mib is None or self.limit_mib is None:
+            return f"{self.rank_label}: {self.detail}"
+        what = {"max_mib": "max_mib", "max_ratio": "ratio limit", "baseline": "baseline + tolerance"}.get(
+            self.kind, self.kind)
+        figure = " allocated" if self.figure == ALLOCATED else ""
+        return f"{self.rank_label}{figure} {self.measured_mib:.1f} MiB > {what} {self.limit_mib:.1f} MiB"
+
     def __str__(self) -> str:
         figure = ", allocated" if self.figure == ALLOCATED else ""
         basis = f", {self.basis}" if self.basis else ""
@@ -227,7 +236,8 @@ class Verdict:
         failures = self.failures
         if failures:
             first = failures[0]
-            lines.append(f"gpumem: memory limit exceeded at nproc={first.world_size}")
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            lines.append(f"gpumem: memory limit exceeded at nproc={first.world_size}: {first.headline()}{more}")
             lines.extend(f"  {check}" for check in failures)
         lines.extend(after_failures or [])
         advisories = self.advisories

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..judging.record import SizeRecord, TestRecord
+from ..sampling.allocations import is_allocation_method
 
 # The headings failures are listed under, by cause (record.CAUSES): a crash is not a limit.
 SECTIONS = (
@@ -18,6 +19,14 @@ SECTIONS = (
 
 def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _resident(size: SizeRecord, ranks: Iterable[int]) -> bool:
+    """A host figure of these ranks is their resident high-water mark (a rank that ended without
+    reporting its live allocations, or tracking off), not the live allocations the others report."""
+    return size.device == "cpu" and any(
+        (peak := size.ranks.get(rank)) is not None and peak.mib is not None and peak.method
+        and not is_allocation_method(peak.method) for rank in ranks)
 
 
 def floor_split(size: SizeRecord) -> str | None:
@@ -38,18 +47,22 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     if with_floor:
         header = header[:3] + ("floor + job MiB",) + header[3:]
     rows: list[tuple[str, ...]] = []
+    resident = False
     for rec in records:
         if not rec.sizes:
             rows.append((rec.test, ",".join(map(str, rec.nproc)), "-", *(["-"] if with_floor else []),
                          "-", "-", "-", "-", rec.verdict))
         for size in rec.sizes:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
+            gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])
+            others_rss = _resident(size, [r for r in size.ranks if r != size.gated_rank])
+            resident |= gated_rss or others_rss
             rows.append((
                 rec.test,
                 str(size.nproc) + ("*" if size.reused else ""),
-                f"{_mib(size.gated_mib)} ({size.gated_label}{predicted})",
+                f"{_mib(size.gated_mib)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
-                _mib(size.others_max_mib),
+                _mib(size.others_max_mib) + (" VmHWM" if others_rss and size.others_max_mib is not None else ""),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
                                                                        else ""),
                 _mib(size.baseline_mib),
@@ -68,6 +81,9 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     if any(size.ratio_figure == "allocated" for rec in records for size in rec.sizes):
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
                    "which the ratio limit reads; the peak column is what nvidia-smi shows")
+    if resident:
+        out.append("VmHWM: a rank that ended without reporting its live allocations (killed, crashed, or "
+                   "tracking off) is shown by its resident high-water mark, not comparable with live allocations")
     if with_floor:
         out.append("floor: what an empty job of the same framework takes at that size (start-up, "
                    "communicator; on GPU the CUDA context); job: the rest")
@@ -107,5 +123,7 @@ def refresh_lines(records: Iterable[TestRecord]) -> list[str]:
             else:
                 delta = (new - old) / old * 100 if old else 0.0
                 text = f"{old:.1f} -> {new:.1f} MiB ({delta:+.1f}%)"
+            if rec.status == "failed" and rec.cause == "limit":  # the figure stored is one its limits refuse
+                text += " (this run fails its limits: the baseline now records that; review before committing)"
             lines.append(f"{rec.test} nproc={change.nproc}: {text}")
     return lines
