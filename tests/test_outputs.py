@@ -96,6 +96,7 @@ def test_markdown_delta_against_baseline_and_ratio():
     row = next(line for line in text.splitlines() if "test_fail` | 8 |" in line)
     assert "+1550.0 MiB (+140.9%)" in row and "2.65x" in row
     assert outputs.format_delta(outputs.delta(480.0, 500.0)) == "-20.0 MiB (-4.0%)"
+    assert outputs.format_delta((-0.004, -0.001)) == "+0.0 MiB (+0.0%)"  # unchanged, not a "-0.0" drop
     assert outputs.delta(10.0, 0.0) == (10.0, None)  # no percentage of zero
     assert outputs.delta(10.0, None) is None
 

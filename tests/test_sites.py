@@ -115,6 +115,20 @@ def test_against_a_baseline_that_kept_only_its_top_sites_a_missing_site_is_not_c
     assert [c.line() for c in grown.grown] == ["+2.0 MiB  t.py:30 g"]  # it may have been just below 40
 
 
+def test_a_site_whose_line_moved_with_an_edit_above_it_is_the_same_site():
+    """A docstring grew by 9 lines after the baseline was recorded: the batch is still the batch,
+    not a new site beside a shrunk one; a second candidate in the same function is ambiguous."""
+    stored = [site("t.py:55", 258.0, "_train"), site("t.py:29", 11.8, "<module>")]
+    now = [site("t.py:64", 258.4, "_train"), site("t.py:38", 11.8, "<module>")]
+    assert compare(stored, now, "the baseline").lines() == ["(1 smaller site +0.4 MiB)"]
+    grew = [site("t.py:64", 386.0, "_train"), site("t.py:38", 11.8, "<module>")]
+    assert compare(stored, grew, "the baseline").lines()[0] == "+128.0 MiB  t.py:64 _train"
+    two = [site("t.py:64", 258.0, "_train"), site("t.py:70", 64.0, "_train")]
+    stored_two = [site("t.py:55", 258.0, "_train"), site("t.py:61", 64.0, "_train")]
+    assert [c.line() for c in compare(stored_two, two, "the baseline").grown] == [
+        "+258.0 MiB  t.py:64 _train  (new)", "+64.0 MiB  t.py:70 _train  (new)"]
+
+
 def test_a_refresh_within_noise_rewrites_no_site():
     old = stored_sites([site("t.py:5", 128.04), site("t.py:9", 40.0)])
     rerun = stored_sites([site("t.py:5", 128.9), site("t.py:9", 47.0)])

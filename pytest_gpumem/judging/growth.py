@@ -58,10 +58,19 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
     grown: list[SiteChange] = []
     unlisted_mib = shrunk_mib = 0.0
     unlisted = shrunk = 0
-    for site in new:
-        if site.internal:
-            continue
-        was = before.pop(site.key, None)
+    users = [site for site in new if not site.internal]
+    matched = [before.pop(site.key, None) for site in users]
+    # An edit above a line moves it: a site unmatched by file:line is the stored one of the same file,
+    # function and call when exactly one such is left (two candidates: ambiguous, not matched).
+    moved: dict[tuple[str, str, str], list[Site]] = {}
+    for was in before.values():
+        moved.setdefault(_unlined(was), []).append(was)
+    for i, site in enumerate(users):
+        candidates = moved.get(_unlined(site), [])
+        if matched[i] is None and len(candidates) == 1:
+            matched[i] = candidates.pop()
+            del before[matched[i].key]
+    for site, was in zip(users, matched):
         old_mib = was.mib if was is not None else min(floor, site.mib)
         delta = site.mib - old_mib
         if delta >= LISTED_MIB:
@@ -78,6 +87,11 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
     grown.sort(key=lambda c: (-c.growth, c.label))
     return Growth(against, tuple(grown), unlisted_mib, unlisted, shrunk_mib, shrunk,
                   total(new, False) - total(old, False), total(new, True) - total(old, True))
+
+
+def _unlined(site: Site) -> tuple[str, str, str]:
+    """The site's key without its line number: file, function, the framework call made there."""
+    return (site.where.rsplit(":", 1)[0], site.function, site.detail)
 
 
 def stored_sites(sites: Iterable[Site]) -> list[dict[str, Any]]:

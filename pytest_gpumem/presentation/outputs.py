@@ -54,6 +54,7 @@ def format_delta(change: tuple[float, float | None] | None) -> str:
     if change is None:
         return "-"
     mib, pct = change
+    mib, pct = round(mib, 1) + 0.0, None if pct is None else round(pct, 1) + 0.0  # no "-0.0": it reads as a drop
     return f"{mib:+.1f} MiB" + ("" if pct is None else f" ({pct:+.1f}%)")
 
 
