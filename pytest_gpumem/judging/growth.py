@@ -68,8 +68,9 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
     for i, site in enumerate(users):
         candidates = moved.get(_unlined(site), [])
         if matched[i] is None and len(candidates) == 1:
-            matched[i] = candidates.pop()
-            del before[matched[i].key]
+            same = candidates.pop()
+            matched[i] = same
+            del before[same.key]
     for site, was in zip(users, matched):
         old_mib = was.mib if was is not None else min(floor, site.mib)
         delta = site.mib - old_mib
