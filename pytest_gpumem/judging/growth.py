@@ -63,8 +63,8 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
     # An edit above a line moves it: a site unmatched by file:line is the stored one of the same file,
     # function and call when exactly one such is left (two candidates: ambiguous, not matched).
     moved: dict[tuple[str, str, str], list[Site]] = {}
-    for was in before.values():
-        moved.setdefault(_unlined(was), []).append(was)
+    for left in before.values():
+        moved.setdefault(_unlined(left), []).append(left)
     for i, site in enumerate(users):
         candidates = moved.get(_unlined(site), [])
         if matched[i] is None and len(candidates) == 1:
