@@ -272,7 +272,7 @@ def test_the_whole_rendering_of_a_failing_verdict():
     ]
     v = judge(spec(nproc=[2, 4], max_ratio=1.5, max_mib=2000, rank="all"), results, refs, notes=("a note",))
     assert v.render().splitlines() == [
-        "gpumem: memory limit exceeded at nproc=4: rank 3 (largest) 903.0 MiB > ratio limit 750.0 MiB",
+        "gpumem: 903.0 MiB > ratio limit 750.0 MiB (rank 3 (largest), nproc=4)",
         "  rank 3 (largest) at nproc=4 (gpu): peak 903.0 MiB > 1.50 x 500.0 MiB (nproc=1) + 0 MiB = 750.0 MiB"
         " (ratio 1.81x)",
         "  largest rank peak, nproc 1: 500.0 MiB | 2: 600.0 MiB (1.20x) | 4: 903.0 MiB (1.81x) FAIL",

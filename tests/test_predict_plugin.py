@@ -51,7 +51,7 @@ def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_t
                                 "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*gpumem: memory limit exceeded at nproc=8*",
+        "gpumem: * MiB > * MiB (*nproc=8)*",
         "*rank 0 at nproc=8 (cpu, predicted by a + b*N from nproc 1,2,4; LOO error *%): peak * MiB > "
         "1.00 x * MiB (nproc=1) + 200 MiB = * MiB (ratio *x)*",
         "*nproc=8 cpu MiB rank 0 *, predicted by a + b*N from nproc 1,2,4*(not launched)*",

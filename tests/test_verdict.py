@@ -20,7 +20,7 @@ def test_libai_swin_inflation_is_caught_at_8():
     v = judge(s, [result(1, 5734), result(8, *([15190] + [14000] * 7))])
     assert not v.passed
     text = v.render()
-    assert "memory limit exceeded at nproc=8" in text
+    assert text.startswith("gpumem: 15190.0 MiB > ratio limit 6880.8 MiB (rank 0, nproc=8)\n")
     assert "rank 0 at nproc=8 (gpu): peak 15190.0 MiB > 1.20 x 5734.0 MiB (nproc=1) + 0 MiB = 6880.8 MiB" in text
     assert "(ratio 2.65x)" in text
 
@@ -36,8 +36,8 @@ def test_max_mib_every_size_first_failure_named():
     v = judge(s, [result(1, 900), result(2, 1100, 900), result(4, 1300, 1, 1, 1)])
     assert [c.world_size for c in v.failures] == [2, 4]
     # the first line is what pytest's short summary shows: the numbers, not only that a limit broke
-    assert v.render().splitlines()[0] == ("gpumem: memory limit exceeded at nproc=2: rank 0 1100.0 MiB > max_mib "
-                                          "1000.0 MiB (and 1 more)")
+    assert v.render().splitlines()[0] == ("gpumem: 1100.0 MiB > max_mib 1000.0 MiB (rank 0, nproc=2); "
+                                          "1 more limit exceeded")
     assert "2: 1100.0 MiB (1.22x) FAIL" in v.summary_line()
 
 

@@ -162,13 +162,15 @@ class Check:
     advisory: bool = False  # a predicted size whose model could not be validated: shown, never failing
 
     def headline(self) -> str:
-        """The check in a few words, for pytest's one-line summary: ``rank 0 613.2 MiB > ratio limit 521.4 MiB``."""
+        """The check in a few words, numbers first, for pytest's one-line summary (cut at the
+        terminal's width, 80 columns in most CI logs): ``597.0 MiB > ratio limit 502.0 MiB (rank 0, nproc=2)``."""
+        figure = ", allocated" if self.figure == ALLOCATED else ""
+        where = f"({self.rank_label}{figure}, nproc={self.world_size})"
         if self.measured_mib is None or self.limit_mib is None:
-            return f"{self.rank_label}: {self.detail}"
+            return f"{self.detail} {where}"
         what = {"max_mib": "max_mib", "max_ratio": "ratio limit", "baseline": "baseline + tolerance"}.get(
             self.kind, self.kind)
-        figure = " allocated" if self.figure == ALLOCATED else ""
-        return f"{self.rank_label}{figure} {self.measured_mib:.1f} MiB > {what} {self.limit_mib:.1f} MiB"
+        return f"{self.measured_mib:.1f} MiB > {what} {self.limit_mib:.1f} MiB {where}"
 
     def __str__(self) -> str:
         figure = ", allocated" if self.figure == ALLOCATED else ""
@@ -236,8 +238,9 @@ class Verdict:
         failures = self.failures
         if failures:
             first = failures[0]
-            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-            lines.append(f"gpumem: memory limit exceeded at nproc={first.world_size}: {first.headline()}{more}")
+            others = len(failures) - 1
+            more = f"; {others} more limit{'s' if others > 1 else ''} exceeded" if others else ""
+            lines.append(f"gpumem: {first.headline()}{more}")
             lines.extend(f"  {check}" for check in failures)
         lines.extend(after_failures or [])
         advisories = self.advisories
