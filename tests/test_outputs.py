@@ -454,6 +454,13 @@ def test_a_rank_shown_by_its_resident_memory_is_labelled_so_in_the_table():
                                     gated_mib=13.0, others_max_mib=78.8)
     row = next(line for line in table([rec("t::raises", "failed/crash", bystander)]) if line.startswith("t::raises"))
     assert "13.0 (rank 0)" in row and "78.8 VmHWM" in row
+    ranks = {0: RankPeak(13.0, "live allocations (memray)"),
+             1: RankPeak(5.0, "high-water mark (no allocation peak reported)"),
+             2: RankPeak(13.2, "live allocations (memray)")}
+    # the resident rank is not the one "others max" shows
+    smaller = dataclasses.replace(bystander, nproc=3, ranks=ranks, others_max_mib=13.2)
+    row = next(line for line in table([rec("t::raises", "failed/crash", smaller)]) if line.startswith("t::raises"))
+    assert "13.2 " in row and "VmHWM" not in row
     healthy = table([rec("t::ok", "passed", size(2, 13.0, device="cpu", method="live allocations (memray)"))])
     assert "VmHWM" not in "\n".join(healthy)
 

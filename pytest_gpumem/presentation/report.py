@@ -55,14 +55,15 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         for size in rec.sizes:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])
-            others_rss = _resident(size, [r for r in size.ranks if r != size.gated_rank])
+            others = [(peak.mib, r) for r, peak in size.ranks.items() if r != size.gated_rank and peak.mib is not None]
+            others_rss = bool(others) and _resident(size, [max(others)[1]])  # the rank "others max" shows
             resident |= gated_rss or others_rss
             rows.append((
                 rec.test,
                 str(size.nproc) + ("*" if size.reused else ""),
                 f"{_mib(size.gated_mib)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
-                _mib(size.others_max_mib) + (" VmHWM" if others_rss and size.others_max_mib is not None else ""),
+                _mib(size.others_max_mib) + (" VmHWM" if others_rss else ""),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
                                                                        else ""),
                 _mib(size.baseline_mib),
