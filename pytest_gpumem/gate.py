@@ -41,8 +41,7 @@ class Gate:
         """Judge, refresh, explain. ``relaunch(test, sizes)``: where a failing GPU size has no peak
         sites (its allocator history was not recorded), relaunch those sizes with it, then judge again."""
         outcome = self._evaluate(test)
-        wanted = sites_wanted(test, outcome) if relaunch is not None and outcome.failure else set()
-        if relaunch is not None and wanted:
+        if relaunch is not None and outcome.failure and (wanted := sites_wanted(test, outcome)):
             relaunch(test, wanted)
             outcome = self._evaluate(test)
         return outcome
@@ -198,7 +197,7 @@ def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
         return set()
     failing = {s.nproc for s in outcome.record.sizes if s.failed and not s.predicted}
     by_size = {r.world_size: r for r in test.results if not r.predicted}
-    wanted = {n for n in failing if n in by_size and by_size[n].device == "gpu"}
+    wanted = {n for n in failing if n in by_size}
     if any(c.kind == "max_ratio" and not c.ok for s in outcome.record.sizes for c in s.checks) and 1 in by_size:
         wanted.add(1)
     return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}

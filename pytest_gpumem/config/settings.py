@@ -91,19 +91,12 @@ def _positive_int_or_zero(text: str) -> int:
     return value
 
 
-def _track(text: str) -> str:
-    """auto, on or off; the variable's older spellings (1/0, true/false, yes/no) still mean on/off."""
+def _auto_on_off(text: str) -> str:
+    """auto, on or off; the older spellings (1/0, true/false, yes/no) still mean on/off."""
     lowered = text.strip().lower()
     if lowered == "auto":
         return "auto"
     return "on" if _bool(lowered) else "off"
-
-
-def _sites(text: str) -> str:
-    lowered = text.strip().lower()
-    if lowered in ("auto", "on", "off"):
-        return lowered
-    return "on" if _bool(text) else "off"
 
 
 def _bool(text: str) -> bool:
@@ -181,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
            "(off: measured in every session)",
            shown_default="$XDG_CACHE_HOME/pytest-gpumem/floors.json (~/.cache/pytest-gpumem/floors.json)"),
     Option("track_host", "--gpumem-track-host", TRACK_ENV, "gpumem_track_host",
-           _track, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
+           _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
            "track each rank's host allocations (memray: the gated host figure). auto: where the host figure "
            "is gated, i.e. not in launches whose ranks have GPUs (device auto or gpu); off: host figures are "
            "the resident high-water mark (VmHWM)"),
@@ -252,7 +245,7 @@ OPTIONS: tuple[Option, ...] = (
            "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
            rank_env=True),
     Option("sites", "--gpumem-sites", SITES_ENV, "gpumem_sites",
-           _sites, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",
+           _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",
            "peak sites: where the memory live at each rank's peak was allocated, listed when they grew in a "
            "failure. Host: read from memray's capture. GPU (torch's allocator history, whose first reading "
            "costs up to ~1 s a rank): auto records it when refreshing and relaunches a failing size with it; "
