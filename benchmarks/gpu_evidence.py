@@ -427,6 +427,8 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="speed: another checkout of pytest-gpumem measured alongside")
     parser.add_argument("--sites-off", action="store_true",
                         help="speed: also measure the plugin with --gpumem-sites=off (what peak sites cost)")
+    parser.add_argument("--start-exec", action="store_true",
+                        help="speed: also measure the plugin with --gpumem-start=exec (what forking the ranks saves)")
     parser.add_argument("--lazy-import", action="store_true",
                         help="speed: also measure the test importing its job (torch) in its body")
     parser.add_argument("--budget-s", type=float, default=400.0,
@@ -448,7 +450,7 @@ def main() -> None:
         from speed import speed
 
         lines += speed(folder, out, args.runs, args.device, base=args.base, budget_s=args.budget_s,
-                       sites_off=args.sites_off, lazy=args.lazy_import)
+                       sites_off=args.sites_off, lazy=args.lazy_import, start_exec=args.start_exec)
     for name, part in (("spike", spike), ("ddp", ddp), ("leases", leases), ("faults", faults),
                        ("snapshot", snapshot), ("inflate", inflate), ("repeat", repeat), ("inrank", inrank)):
         if name in parts:

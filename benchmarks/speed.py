@@ -103,19 +103,29 @@ def ddp():
 
 # Loaded in every pytest process (PYTEST_PLUGINS): the user's session and each rank's.
 TRACE = '''
-"""speed.py's timestamps: one JSON line per step, in SPEED_TRACE."""
+"""speed.py's timestamps: one JSON line per step, in SPEED_TRACE.
+
+Loaded once per process: a forked rank finds it loaded by the pytest it was forked from, so where
+it runs (the user's pytest or a rank) is asked at each call, not at import.
+"""
 import atexit, json, os, time
+import pytest
+
 _LOADED = time.time()
-_RANK = os.environ.get("RANK")
-_IN_RANK = bool(os.environ.get("GPUMEM_WORKDIR"))
+_LOADED_IN = os.getpid()
+
+
+def _in_rank():
+    return bool(os.environ.get("GPUMEM_WORKDIR"))
 
 
 def mark(event, t=None, **extra):
     path = os.environ.get("SPEED_TRACE")
     if not path:
         return
+    rank = os.environ.get("RANK")
     line = json.dumps({"event": event, "t": time.time() if t is None else t,
-                       "rank": None if _RANK is None or not _IN_RANK else int(_RANK), **extra})
+                       "rank": int(rank) if rank is not None and _in_rank() else None, **extra})
     with open(path, "a") as f:
         f.write(line + "\\n")
 
@@ -144,52 +154,55 @@ def _files(self, spec, nproc, workdir, *rest):
             pass
 
 
-if _IN_RANK:
-    mark("rank_plugins", t=_LOADED)
-    atexit.register(mark, "rank_atexit")
+def _instrument():
+    from pytest_gpumem.launching import launch, runner  # imported by the first gpumem test anyway
 
-    def pytest_sessionstart(session):
-        mark("rank_sessionstart")
+    _wrap(launch.Launch, "run", before=lambda self: mark("launch_start"), after=lambda self: mark("launch_end"))
+    for start in ("_spawn", "_fork"):  # an exec'd rank, or a forked one
+        _wrap(launch.Launch, start, after=lambda self, *a: mark("spawned"))
+    _wrap(launch.Launch, "_supervise", after=lambda self, *a: mark("exit_seen"))
+    _wrap(runner.Runner, "_add_floors", before=lambda self, *a: mark("floor_start"),
+          after=lambda self, *a: mark("floor_end"))
+    _wrap(runner.Runner, "_read", before=_files)
 
-    def pytest_collection_finish(session):
-        mark("rank_collected")
 
-    def pytest_sessionfinish(session):
-        mark("rank_sessionfinish")
-else:
-    import pytest
+def pytest_addoption(parser):
+    # a process that imported this module: when it did; a forked rank: when its pytest loads plugins
+    if _in_rank():
+        mark("rank_plugins", t=_LOADED if _LOADED_IN == os.getpid() else None)
+    else:
+        mark("parent_plugins", t=_LOADED)
 
-    mark("parent_plugins", t=_LOADED)
 
-    def pytest_sessionstart(session):
-        mark("parent_sessionstart")
+def pytest_configure(config):
+    if _in_rank():
+        atexit.register(mark, "rank_atexit")
 
-    def _instrument():
-        from pytest_gpumem.launching import launch, runner  # imported by the first gpumem test anyway
 
-        _wrap(launch.Launch, "run", before=lambda self: mark("launch_start"), after=lambda self: mark("launch_end"))
-        _wrap(launch.Launch, "_spawn", after=lambda self, *a: mark("spawned"))
-        _wrap(launch.Launch, "_supervise", after=lambda self, *a: mark("exit_seen"))
-        _wrap(runner.Runner, "_add_floors", before=lambda self, *a: mark("floor_start"),
-              after=lambda self, *a: mark("floor_end"))
-        _wrap(runner.Runner, "_read", before=_files)
+def pytest_sessionstart(session):
+    mark("rank_sessionstart" if _in_rank() else "parent_sessionstart")
 
-    def pytest_collection_finish(session):
-        mark("parent_collected")
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(item):
-        mark("item_call_start")
-        if not getattr(_instrument, "done", False):
-            _instrument()
-            _instrument.done = True
-        try:
-            return (yield)
-        finally:
-            mark("item_call_end")
+def pytest_collection_finish(session):
+    mark("rank_collected" if _in_rank() else "parent_collected")
 
-    def pytest_sessionfinish(session):
-        mark("parent_sessionfinish")
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if _in_rank():
+        return (yield)
+    mark("item_call_start")
+    if not getattr(_instrument, "done", False):
+        _instrument()
+        _instrument.done = True
+    try:
+        return (yield)
+    finally:
+        mark("item_call_end")
+
+
+def pytest_sessionfinish(session):
+    mark("rank_sessionfinish" if _in_rank() else "parent_sessionfinish")
 '''
 
 PLUGIN_PHASES = [
@@ -197,8 +210,8 @@ PLUGIN_PHASES = [
     ("parent_plugins", "parent_sessionstart", "parent: pytest configure (the plugin's settings)"),
     ("parent_sessionstart", "parent_collected", "parent: collection (imports the test module, torch with it)"),
     ("parent_collected", "launch_start", "parent: test set-up, NVML, GPU lease"),
-    ("launch_start", "spawned", "parent: port, environment, Popen"),
-    ("spawned", "file_hello", "rank: launcher (torchrun) + Python + the rank wrapper (+ tracker start)"),
+    ("launch_start", "spawned", "parent: port, environment, Popen or fork"),
+    ("spawned", "file_hello", "rank: launcher + Python (exec'd) + the rank wrapper (+ tracker start)"),
     ("file_hello", "rank_plugins", "rank: import pytest, entry-point plugins"),
     ("rank_plugins", "rank_sessionstart", "rank: pytest configure"),
     ("rank_sessionstart", "rank_collected", "rank: collection (imports the test module, torch with it)"),
@@ -323,7 +336,7 @@ def ms(value: float | None) -> str:
 
 def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout: float = 300.0,
           base: Path | None = None, budget_s: float = 400.0, sites_off: bool = False,
-          lazy: bool = False) -> list[str]:
+          lazy: bool = False, start_exec: bool = False) -> list[str]:
     """The part: run every case ``runs`` times (after a warm-up round), write and return the lines.
 
     ``base``: another checkout of pytest-gpumem (say main, before a change), measured alongside as a
@@ -346,7 +359,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     env.update(PYTEST_PLUGINS=",".join(plugins), SPEED_DEVICE="cuda" if device == "gpu" else "cpu",
                SPEED_MIB=str(mib), OMP_NUM_THREADS="1", GPUMEM_MISSING_BASELINE="ignore")
     roots = {"bare": ROOT, "plugin": ROOT, **({"base": base.resolve()} if base is not None else {}),
-             **({"nosites": ROOT} if sites_off else {}), **({"lazy": ROOT} if lazy else {})}
+             **({"nosites": ROOT} if sites_off else {}), **({"lazy": ROOT} if lazy else {}),
+             **({"exec": ROOT} if start_exec else {})}
     envs = {}
     for kind, root in roots.items():
         floors = out / f"speed-floors-{kind}.json"
@@ -354,6 +368,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
         envs[kind] = {**env, "PYTHONPATH": absolute_pythonpath(env, [root, folder]), "GPUMEM_FLOOR_CACHE": str(floors)}
         if kind == "nosites":  # the same plugin with no peak sites: what recording them costs
             envs[kind]["GPUMEM_SITES"] = "0"
+        if kind == "exec":  # the same plugin, its ranks exec'd: what forking them saves
+            envs[kind]["GPUMEM_START"] = "exec"
     kinds = list(roots)
     cases = [(c, n) for c, n in CASES if n <= max(gpus, 1) or device == "cpu"]
     skipped = [(c, n) for c, n in CASES if (c, n) not in cases]
@@ -397,7 +413,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     med = statistics.median
     names = {"plugin": f"pytest-gpumem {pytest_gpumem.__version__}", "base": "pytest-gpumem at BASE (before)",
              "nosites": f"pytest-gpumem {pytest_gpumem.__version__} with --gpumem-sites=off",
-             "lazy": f"pytest-gpumem {pytest_gpumem.__version__}, the test importing the job in its body"}
+             "lazy": f"pytest-gpumem {pytest_gpumem.__version__}, the test importing the job in its body",
+             "exec": f"pytest-gpumem {pytest_gpumem.__version__} with --gpumem-start=exec (ranks exec'd)"}
     lines = [f"speed: the bare job vs the same job as a pytest-gpumem test, {device.upper()} "
              f"({gpus} GPU{'s' if gpus != 1 else ''} visible), {datetime.date.today().isoformat()}",
              f"  Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -408,7 +425,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
                 if done < runs else ""),
              f"  command: python3 benchmarks/gpu_evidence.py OUT --parts speed --runs {runs}"
              + (f" --device {asked}" if asked != "auto" else "") + (" --base BASE" if base is not None else "")
-             + (" --sites-off" if sites_off else "") + (" --lazy-import" if lazy else "")]
+             + (" --sites-off" if sites_off else "") + (" --lazy-import" if lazy else "")
+             + (" --start-exec" if start_exec else "")]
     for case, nproc in CASES:
         name = case_name(case, nproc, device, mib)
         if (case, nproc) in skipped:
@@ -434,6 +452,8 @@ def speed(folder: Path, out: Path, runs: int = 5, device: str = "auto", timeout:
     lines.append("")
     lines.append(f"where the time goes, rank 0's way through one session (median ms over {done} rounds"
                  + ("; before -> after" if base is not None else "") + ")")
+    if len(kinds) > 2:
+        lines.append("  columns, left to right: " + " -> ".join(names[kind] for kind in reversed(kinds[1:])))
     for case, nproc in cases:
         bare = steps.get(("bare", case, nproc), {})
         lines.append(f"  {case_name(case, nproc, device, mib)}:")
@@ -461,13 +481,15 @@ def main() -> None:
                         help="start no round that would end past this many seconds (default 400)")
     parser.add_argument("--sites-off", action="store_true",
                         help="also measure the plugin with --gpumem-sites=off (what recording peak sites costs)")
+    parser.add_argument("--start-exec", action="store_true",
+                        help="also measure the plugin with --gpumem-start=exec (what forking the ranks saves)")
     parser.add_argument("--lazy-import", action="store_true",
                         help="also measure the test importing its job (torch) in its body, not at module level")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     speed(out / "cases", out, args.runs, args.device, base=args.base, budget_s=args.budget_s, sites_off=args.sites_off,
-          lazy=args.lazy_import)
+          lazy=args.lazy_import, start_exec=args.start_exec)
 
 
 if __name__ == "__main__":

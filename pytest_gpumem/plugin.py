@@ -245,9 +245,21 @@ class ParentSide:
                 gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
                 gpu_sampler=resolved.gpu_sampler,
                 slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
+                start=resolved.start,
+                start_refusal=self._fork_refusal(),
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
         return self._machinery
+
+    def _fork_refusal(self) -> str | None:
+        """What in this pytest session forbids forking ranks from it (launching.forking)."""
+        try:
+            timeout = float(self.config.getini("faulthandler_timeout") or 0)
+        except (ValueError, TypeError):
+            timeout = 0.0
+        if timeout > 0:  # its watchdog thread is armed during the test: a child re-arming it would hang
+            return "faulthandler_timeout is set (its watchdog cannot be re-armed in a forked rank)"
+        return None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,

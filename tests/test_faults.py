@@ -706,6 +706,7 @@ BAD_VALUES = {
     "max_nproc": "-2",
     "predict": "maybe",
     "track_host": "sometimes",
+    "start": "spawn",
 }
 # Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}

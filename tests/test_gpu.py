@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+# torch.cuda.is_available() below, run by this pytest at import, would initialise CUDA here, after
+# which no forked rank can use it (launching/forking.py): the NVML-based check leaves it alone.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.torch, pytest.mark.slow]
 
@@ -107,6 +110,58 @@ def test_hold():
     assert size["device"] == "gpu"
     assert own >= 1024
     assert abs(size["gated_mib"] - own) <= 2.0, (size["gated_mib"], own, size["methods"])
+
+
+@needs_gpu
+def test_forked_and_execd_ranks_read_the_same_gpu_figures(pytester, launch_tag, tmp_path):
+    """--gpumem-start (issue 20): a rank forked from this pytest holds the same GPU memory as one
+    exec'd afresh: the same device figure (CUDA context and tensors) and allocator figure."""
+    out = tmp_path / "own"
+    out.mkdir()
+    body = '''
+@pytest.mark.gpumem(nproc=1, device="gpu", env={"OUT": OUT_DIR})
+def test_hold():
+    block = hold(1024)
+    note(own=own_mib())
+    del block
+'''
+    figures = {}
+    for start in ("fork", "exec"):
+        result, records = _run(pytester, out, body, f"--gpumem-start={start}", "--gpumem-floor=off")
+        result.assert_outcomes(passed=1)
+        size = _size(records["test_hold"], 1)
+        assert size["start"] == start, size["start"]
+        figures[start] = (size["gated_mib"], size["allocated_mib"], _own(out, 1, 0)["own"])
+        print(f"ranks {start}ed: device {figures[start][0]:.1f} MiB, allocated {figures[start][1]:.2f} MiB, "
+              f"the rank's own NVML figure {figures[start][2]:.1f} MiB")
+    assert figures["fork"][1] == figures["exec"][1]
+    assert abs(figures["fork"][0] - figures["exec"][0]) <= 2.0, figures
+
+
+@needs_gpu
+def test_a_pytest_that_initialised_cuda_execs_its_ranks(pytester, launch_tag, monkeypatch):
+    """torch.cuda.is_available() at import (not NVML-based) initialises CUDA in pytest; a forked rank
+    could not use CUDA, so the ranks are exec'd and the test runs as before, the record saying why."""
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    pytester.makepyfile(test_driver='''
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
+@pytest.mark.gpumem(nproc=1, device="gpu")
+def test_on_gpu():
+    x = torch.ones(256 * 2**20 // 4, device="cuda")
+    torch.cuda.synchronize()
+''')
+    report = pytester.path / "driver.json"
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=off",
+                                           f"--gpumem-report={report}", timeout=300)
+    result.assert_outcomes(passed=1)
+    start = json.loads(report.read_text())["tests"][0]["sizes"][0]["start"]
+    print(f"pytest with CUDA initialised: {start}")
+    assert start.startswith("exec (CUDA is initialised in pytest"), start
 
 
 @needs_gpu

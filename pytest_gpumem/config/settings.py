@@ -240,6 +240,14 @@ OPTIONS: tuple[Option, ...] = (
            _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "ranks end without the interpreter's teardown once threads and atexit handlers are done "
            "(off: the full teardown, 150-500 ms more per rank)", rank_env=True),
+    Option("start", "--gpumem-start", "GPUMEM_START", "gpumem_start",
+           _choice(("auto", "fork", "exec")), "auto", "one of auto, fork, exec",
+           "how a direct launch starts its ranks. fork: from pytest, which has the test module and its "
+           "frameworks imported already (no second interpreter, pytest start-up and collection: ~1.5 s a "
+           "rank for a test file importing torch); exec: a fresh interpreter each. auto: fork the ranks of "
+           "GPU launches, where the gated figure is GPU memory. Either way a rank is exec'd where a fork "
+           "would change it: host allocations tracked, a start-up variable (PYTHON*, LD_*, OpenMP's...) "
+           "set for the ranks, CUDA initialised or OneFlow imported in pytest (docs/gpu.md)"),
     Option("boxing", "--gpumem-boxing", BOXING_ENV, "gpumem_boxing",
            _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
@@ -292,6 +300,7 @@ class Settings:
     nnodes: int = 0
     max_nproc: int | None = None
     predict: bool = True
+    start: str = "auto"
 
     def defaults(self) -> Defaults:
         return Defaults(

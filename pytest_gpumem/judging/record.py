@@ -142,6 +142,7 @@ class SizeRecord:
     allocated_baseline_mib: float | None = None
     sites: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)  # live at the peak
     live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the live figure over time
+    start: str = ""  # how the ranks were started: fork, exec, or "exec (why not fork)"
 
     @property
     def failed(self) -> bool:
@@ -285,6 +286,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "peak_at_s": _keyed(s.peak_at_s),
         "imbalance": s.imbalance,
         "duration_s": s.duration_s,
+        "start": s.start,
         "reused": s.reused,
         "nodes": _keyed(s.nodes),
         "timeline": [[t, _keyed(point)] for t, point in s.timeline],
@@ -482,6 +484,7 @@ class _Reader:
             rss_ranks=self.per_rank(raw, "rss_ranks", where, self.mib), floor=floor,
             peak_at_s=self.per_rank(raw, "peak_at_s", where, self.mib), imbalance=imbalance,
             duration_s=self.number(raw, "duration_s", where) or 0.0, reused=self.flag(raw, "reused", where),
+            start=self.text(raw, "start", where, ""),
             nodes=self.per_rank(raw, "nodes", where, self.string),
             timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"), prediction=prediction,
             allocated_ranks=self.per_rank(raw, "allocated_ranks", where, self._allocated),
@@ -704,6 +707,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
             peak_at_s={r: round(t, 3) for r, t in sorted(peak_times(result).items())},
             imbalance=imbalance(result),
             duration_s=round(result.duration_s, 3),
+            start=result.start,
             reused=result.reused,
             nodes=dict(sorted(result.nodes.items())),
             timeline=tuple((round(t, 4), {r: round(v, 2) for r, v in point.items()}) for t, point in result.timeline),

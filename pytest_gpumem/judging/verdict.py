@@ -59,6 +59,7 @@ class SizeResult:
     sites: Mapping[int, tuple[Site, ...]] = field(default_factory=dict)  # live at each rank's peak
     live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the gated live figure over time
     sites_notes: tuple[str, ...] = ()
+    start: str = ""  # how the ranks were started: "fork", "exec", or "exec (why a fork was not)"
 
     @property
     def predicted(self) -> bool:

@@ -28,6 +28,7 @@ import psutil
 
 from ..rankside import protocol
 from ..rankside.rank import LAUNCH_ID_ENV, STARTUP_CWD, WORKDIR_ENV
+from . import forking
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -50,6 +51,7 @@ class LaunchRequest:
     workdir: Path                   # private folder of this launch (logs, pids, results)
     timeout: float
     nnodes: int | None = None       # srun only: spread the ranks over this many nodes
+    start: str = "exec"             # direct only: "fork" forks the ranks from pytest where it is safe (forking)
 
 
 @dataclass
@@ -76,6 +78,8 @@ class LaunchResult:
     failed_at: dict[int, float] = field(default_factory=dict)
     stopped: frozenset[int] = frozenset()  # ranks still running when the plugin ended the launch
     pythonpath: str | None = None          # the ranks' PYTHONPATH (relative entries made absolute)
+    start: str = "exec"                    # how the ranks were started: "fork" or "exec"
+    start_refusal: str | None = None       # a fork was asked for and refused here: why
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
@@ -173,7 +177,7 @@ class Launch:
         self.request = request
         self.on_rank = on_rank
         self.launch_id = uuid.uuid4().hex
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | forking.ForkedRank] = []
         self._seen: dict[int, psutil.Process] = {}
         self._results: dict[int, protocol.RankResult] = {}
 
@@ -190,11 +194,18 @@ class Launch:
         try:
             guard.arm()
             if req.launcher == "direct":
+                if req.start == "fork":
+                    result.start_refusal = forking.refusal(env)
+                    result.start = "exec" if result.start_refusal else "fork"
                 # Each rank writes into its own log from its first byte: a rank that dies before
                 # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
                 for rank in range(req.nproc):
-                    self._spawn(command, direct_env(env, rank, req.nproc, port),
-                                protocol.rank_file(req.workdir, rank, "log"))
+                    rank_env = direct_env(env, rank, req.nproc, port)
+                    log = protocol.rank_file(req.workdir, rank, "log")
+                    if result.start == "fork":
+                        self._fork(rank_env, log)
+                    else:
+                        self._spawn(command, rank_env, log)
             else:
                 self._spawn(command, env, req.workdir / "launcher.log")
             self._supervise(result, start)
@@ -227,6 +238,12 @@ class Launch:
                                     start_new_session=True)
         finally:
             os.close(fd)
+        self._procs.append(proc)
+        self._remember(proc.pid)
+
+    def _fork(self, env: Mapping[str, str], log: Path) -> None:
+        """Start one rank forked from pytest, in a session of its own (``forking``)."""
+        proc = forking.fork_rank(self.request.rank_argv, env, self.request.cwd, log)
         self._procs.append(proc)
         self._remember(proc.pid)
 
@@ -485,7 +502,9 @@ class _SignalGuard:
 
 
 _HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",
-                   "pytest_gpumem/rankside/rank.py", "/runpy.py")
+                   "pytest_gpumem/rankside/rank.py", "/runpy.py",
+                   # a forked rank's stack starts in the pytest that forked it
+                   "pytest_gpumem/plugin.py", "pytest_gpumem/gate.py", "pytest_gpumem/launching/")
 
 
 def _user_frames(stack: str) -> str:

@@ -106,6 +106,8 @@ class Runner:
         gpu_sampler: str = "parent",
         rank_env: Mapping[str, str] | None = None,
         slurm_options: slurm.SlurmOptions | None = None,
+        start: str = "auto",
+        start_refusal: str | None = None,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -127,6 +129,8 @@ class Runner:
         self.python_allocations = python_allocations  # objects | arenas: how the tracker counts Python's
         self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
         self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
+        self.start = start  # auto | fork | exec: how a direct launch starts its ranks (see _fork_refusal)
+        self.start_refusal = start_refusal  # the session's reason never to fork (pytest's settings)
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -247,6 +251,31 @@ class Runner:
             return self.track_host == "on"
         return not (plan.sampler is not None and spec.device != "cpu")
 
+    _EXEC_ASKED = "--gpumem-start=exec"
+    _NOT_GPU = "not a GPU launch (auto forks those only)"
+    _QUIET = (None, _EXEC_ASKED, _NOT_GPU)  # reasons the record does not repeat under start=auto
+
+    def _fork_refusal(self, spec: Spec, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
+        """Why this launch's ranks are exec'd rather than forked from pytest (None: forked).
+
+        auto forks GPU launches only: their figure is GPU memory, which a fork leaves as it is.
+        What the process itself may forbid (CUDA or OneFlow in pytest, other threads) is checked
+        by the launch, at the fork (``forking.refusal``).
+        """
+        if self.start == "exec":
+            return self._EXEC_ASKED
+        if self.start == "auto" and (plan.sampler is None or spec.device == "cpu"):
+            return self._NOT_GPU
+        if spec.launcher != "direct":
+            return f"launcher={spec.launcher!r} starts the ranks itself"
+        if not spec.body_mode:
+            return "script= and module= run in a fresh interpreter"
+        if env.get(TRACK_ENV) != "0":
+            return "host allocations are tracked (the tracker must see the frameworks' imports)"
+        if self._in_rank_gpu(spec, plan):
+            return "each rank samples its own GPU (--gpumem-gpu-sampler=rank)"
+        return self.start_refusal
+
     def _in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
         return spec.launcher == "srun" or (plan.sampler is not None and self.gpu_sampler == "rank")
 
@@ -314,15 +343,18 @@ class Runner:
             if plan.sampler is not None:
                 side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         track = {TRACK_ENV: "1" if self._tracks_host(spec, plan) else "0"}  # a marker's env wins
+        env = {**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env}
+        refused = self._fork_refusal(spec, plan, env)
         request = LaunchRequest(
             launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self._rank_argv(test_id, spec),
-            env={**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env},
+            env=env,
             cwd=self.cwd,
             workdir=workdir,
             timeout=spec.timeout,
             nnodes=spec.nnodes,
+            start="exec" if refused else "fork",
         )
         started_at = time.time()  # the ranks' own curves are in epoch seconds
         for sampler in samplers:
@@ -334,6 +366,10 @@ class Runner:
                 sampler.stop()
             plan.release()
         run = self._read(spec, nproc, workdir, launch, host, plan, started_at)
+        why = launch.start_refusal or (refused if refused not in self._QUIET or self.start == "fork" else None)
+        run.result = replace(run.result, start=launch.start + (f" ({why})" if why else ""))
+        if why and self.start == "fork":  # asked for: said in the report (auto falls back quietly; the record says)
+            run.notes.append(f"ranks exec'd, not forked: {why}")
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run

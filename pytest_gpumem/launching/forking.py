@@ -1,0 +1,231 @@
+"""Start a rank by forking pytest, which has already imported the test module and its frameworks.
+
+An exec'd rank starts an interpreter, imports pytest and its plugins, and collects the test again,
+importing torch a second time: 1.5 s per rank on an H200 machine for a test file that imports
+torch at its top, the largest part of what a GPU test costs beyond its job (benchmarks/speed.py).
+A forked rank finds all of that in place and starts its own pytest session over the one test at
+once (the imported modules are reused). It runs the same rank code (``rankside.rank.main``), in a
+session of its own, with the same environment, log and exit report as an exec'd one.
+
+Forking is safe only in a parent that nothing has made unsafe, so :func:`refusal` names what
+would: CUDA initialised here (no child can use CUDA after its parent did), OneFlow imported (its
+runtime threads hold locks), Python threads other than the plugin's samplers (they may hold the
+locks the child needs), and an OpenMP thread count other than 1 for the ranks (the child cannot
+re-size the pool it inherits, which may be dead in it; torch's DataLoader sets 1 in its forked
+workers for the same reason). Where it refuses, the rank is exec'd as always, and the reason is
+kept with the launch.
+
+What a fork cannot give a rank is what is read as a process starts: ``PYTHON*``, the loader's,
+malloc's, OpenMP's and the frameworks' start-up variables (:func:`startup_env_changes`: a marker's
+``env`` or a changed environment setting one of them gets an exec'd rank), and the host allocation
+tracker (it must see the frameworks' imports: the host figure includes them; ``Runner._fork_refusal``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Mapping, NoReturn, Sequence
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+_SAMPLER_THREADS = ("gpumem-host-sampler", "gpumem-nvml-sampler")
+_OMP_ENV = "OMP_NUM_THREADS"
+
+
+def refusal(rank_env: Mapping[str, str]) -> str | None:
+    """Why this process cannot fork ranks now, or None when it can."""
+    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return f"fork start is for Linux ({sys.platform} here)"
+    if "oneflow" in sys.modules:
+        return "OneFlow is imported in pytest (its runtime threads cannot be forked)"
+    if cuda_initialized():
+        return ("CUDA is initialised in pytest, which no forked child can follow (a CUDA call at import or in an "
+                "earlier test; for torch.cuda.is_available() set PYTORCH_NVML_BASED_CUDA_CHECK=1)")
+    others = [t.name for t in threading.enumerate()
+              if t is not threading.main_thread() and t.name not in _SAMPLER_THREADS]
+    if others:
+        return f"pytest runs other Python threads ({', '.join(sorted(others)[:3])})"
+    if rank_env.get(_OMP_ENV, "1").strip() != "1":
+        return f"{_OMP_ENV}={rank_env[_OMP_ENV]} for the ranks (a forked rank keeps pytest's OpenMP pool)"
+    changed = startup_env_changes(rank_env)
+    if changed:
+        return (f"the ranks' {', '.join(changed[:3])} differ{'s' if len(changed) == 1 else ''} from what pytest "
+                "started with (read as an interpreter or a library starts, before a fork could set it)")
+    return None
+
+
+# Read when an interpreter or a library starts (the loader, malloc, OpenMP and BLAS, CPython, the
+# frameworks' import): a forked rank keeps pytest's. Those read later (NCCL_*, CUDA_*, the test's own)
+# are set in the child like any other variable.
+_STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "BLIS_",
+                "TORCH", "ONEFLOW_", "GLOG_")
+_LATE_ENV = ("PYTHONUNBUFFERED", _OMP_ENV, "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")
+
+
+def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc/self/environ")) -> list[str]:
+    """The start-up variables whose value for the ranks is not the one this process started with
+    (``initial``: its environment at exec, as the loader and the interpreter read it)."""
+    try:
+        started = dict(item.split("=", 1) for item in initial.read_bytes().decode(errors="replace").split("\0")
+                       if "=" in item)
+    except OSError:
+        return ["the environment (unreadable)"]
+    changed = []
+    for key in sorted(set(rank_env) | set(started)):
+        if not key.startswith(_STARTUP_ENV) or key.startswith(_LATE_ENV):
+            continue
+        want, had = rank_env.get(key), started.get(key)
+        if key == "PYTHONPATH" and want is not None and had is not None:
+            want, had = _paths(want), _paths(had)  # the ranks get this one made absolute
+        if want != had:
+            changed.append(key)
+    return changed
+
+
+def _paths(value: str) -> str:
+    from ..rankside.rank import STARTUP_CWD
+
+    base = STARTUP_CWD or "/"
+    return os.pathsep.join(os.path.normpath(os.path.join(base, entry)) for entry in value.split(os.pathsep))
+
+
+def cuda_initialized(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether this process has initialised the CUDA driver (``cuInit``), after which no forked child
+    can use CUDA (torch raises "Cannot re-initialize CUDA in forked subprocess").
+
+    Asked of the driver rather than of a framework: ``torch.cuda.is_available()`` initialises it
+    without initialising torch's CUDA (``torch.cuda.is_initialized()`` stays False), and so may any
+    other library. ``import torch`` maps the driver's library without initialising it, which a fork
+    survives: so where it is mapped, ``cuCtxGetCurrent`` says which (CUDA_ERROR_NOT_INITIALIZED
+    before ``cuInit``; it initialises nothing itself). NVML is another library and is not counted.
+    """
+    try:
+        if "/libcuda.so" not in maps.read_text():
+            return False
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)  # the copy already loaded, or none
+    except OSError:
+        return True  # mapped, but not found by its name: cannot tell, so do not fork
+    context = ctypes.c_void_p()
+    return lib.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+class ForkedRank:
+    """A forked rank, supervised like a :class:`subprocess.Popen` (poll, wait, kill, returncode)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def fork_rank(rank_argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path) -> ForkedRank:
+    """Fork a rank that runs ``rankside.rank.main(rank_argv)`` with ``env``, its output in ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Frozen, pytest's objects are left alone by the child's collector, which would otherwise write
+    # to every one of them and so copy every page they sit on (torch's import leaves ~10^6). The child
+    # keeps them frozen; pytest thaws its own at once. A process that froze
+    # objects itself is left as it is.
+    freeze = gc.get_freeze_count() == 0
+    pid = -1
+    try:
+        if freeze:
+            gc.freeze()
+        with warnings.catch_warnings():
+            # Python 3.12 warns whenever any thread exists; the ones left here are C threads of
+            # torch's import and NVML, and the samplers, none of which the child uses (refusal()).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            _child(list(rank_argv), env, cwd, fd)
+    finally:
+        if pid != 0:
+            if freeze:
+                gc.unfreeze()
+            os.close(fd)  # the parent's copy (the child never returns here)
+    return ForkedRank(pid)
+
+
+def _child(rank_argv: list[str], env: Mapping[str, str], cwd: Path, fd: int) -> NoReturn:
+    """The forked side: become a rank as an exec'd one would start, then never return into pytest."""
+    code = 70  # EX_SOFTWARE: the rank did not get as far as its own exit
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(null)
+        # pytest's capture replaced sys.std*: fresh, unbuffered ones on the rank's own descriptors
+        # (PYTHONUNBUFFERED, as an exec'd rank has: the last line before a crash reaches the log).
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+        os.chdir(cwd)
+        for sig in signal.valid_signals():  # pytest's handlers (and the launch's guard) stay in pytest
+            try:
+                if callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            except (OSError, ValueError):
+                continue
+        atexit._clear()  # noqa: SLF001 - pytest's exit handlers are not the rank's
+        os.environ.clear()
+        os.environ.update(env)
+        torch = sys.modules.get("torch")
+        if torch is not None:  # what OMP_NUM_THREADS=1 gives an exec'd rank (refusal() checked it is 1)
+            torch.set_num_threads(1)
+        from ..rankside import rank
+
+        rank.main(rank_argv)  # "pytest" mode ends the process itself (rank._exit_fast)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - whatever it is, the child must not return into pytest
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - as rank._exit_fast
+            atexit._run_exitfuncs()  # noqa: SLF001 - the rank's exit report
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
