@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +81,26 @@ def test_forked(where):
     result.assert_outcomes(passed=1)
     assert starts == {"test_forked": ["fork", "fork"]}
     assert processes_tagged(launch_tag) == []
+
+
+def test_a_pytest_xdist_worker_forks_its_ranks(pytester, launch_tag, monkeypatch):
+    """A worker runs no Python thread of its own, and gets PYTHONDONTWRITEBYTECODE after it starts
+    (the controller's): the forked rank applies it (sys.dont_write_bytecode), so it still forks."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    pytester.makepyfile(test_worker='''
+import sys
+
+import psutil
+import pytest
+
+@pytest.mark.gpumem(nproc=2, timeout=60)
+def test_worker():
+    assert "pytest_gpumem.rankside.rank" not in " ".join(psutil.Process().cmdline())
+    assert sys.dont_write_bytecode
+''')
+    result, starts = run(pytester, "-n", "1", *FORK)
+    assert starts == {"test_worker": ["fork"]}
+    result.assert_outcomes(passed=1)
 
 
 def test_exec_and_auto_on_the_host_start_fresh_interpreters(pytester):
@@ -219,11 +240,13 @@ def test_startup_variables_that_differ_from_the_process_start_are_named(tmp_path
     from pytest_gpumem.launching.forking import startup_env_changes
 
     started = tmp_path / "environ"
-    started.write_bytes(b"PATH=/bin\0PYTHONPATH=/a:/b\0MALLOC_ARENA_MAX=4\0HOME=/h\0")
-    same = {"PATH": "/usr/bin", "PYTHONPATH": "/a:/b", "MALLOC_ARENA_MAX": "4", "NCCL_DEBUG": "INFO",
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    started.write_bytes(b"PATH=/bin\0MALLOC_ARENA_MAX=4\0HOME=/h\0")
+    on_path = os.pathsep.join(sys.path[:2])  # where this process imports from, whatever it started with
+    same = {"PATH": "/usr/bin", "PYTHONPATH": on_path, "MALLOC_ARENA_MAX": "4", "NCCL_DEBUG": "INFO",
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "TORCH_NCCL_BLOCKING_WAIT": "1"}
     assert startup_env_changes(same, started) == []  # late variables and the ones a fork handles
-    changed = {**same, "PYTHONPATH": "/fake:/a:/b", "LD_PRELOAD": "x.so"}
+    changed = {**same, "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{on_path}", "LD_PRELOAD": "x.so"}
     del changed["MALLOC_ARENA_MAX"]
     assert startup_env_changes(changed, started) == ["LD_PRELOAD", "MALLOC_ARENA_MAX", "PYTHONPATH"]
     assert startup_env_changes(same, tmp_path / "missing") == ["the environment (unreadable)"]

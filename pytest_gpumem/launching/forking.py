@@ -41,6 +41,7 @@ from typing import Mapping, NoReturn, Sequence
 _CUDA_ERROR_NOT_INITIALIZED = 3
 _SAMPLER_THREADS = ("gpumem-host-sampler", "gpumem-nvml-sampler")
 _OMP_ENV = "OMP_NUM_THREADS"
+_BYTECODE_ENV = "PYTHONDONTWRITEBYTECODE"
 
 
 def refusal(rank_env: Mapping[str, str]) -> str | None:
@@ -70,7 +71,9 @@ def refusal(rank_env: Mapping[str, str]) -> str | None:
 # are set in the child like any other variable.
 _STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "BLIS_",
                 "TORCH", "ONEFLOW_", "GLOG_")
-_LATE_ENV = ("PYTHONUNBUFFERED", _OMP_ENV, "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")
+# PYTHONUNBUFFERED and PYTHONDONTWRITEBYTECODE the child applies itself (its output, sys.dont_write_bytecode:
+# pytest-xdist's workers have the latter set after they start).
+_LATE_ENV = ("PYTHONUNBUFFERED", _BYTECODE_ENV, _OMP_ENV, "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")
 
 
 def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc/self/environ")) -> list[str]:
@@ -86,18 +89,22 @@ def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc
         if not key.startswith(_STARTUP_ENV) or key.startswith(_LATE_ENV):
             continue
         want, had = rank_env.get(key), started.get(key)
-        if key == "PYTHONPATH" and want is not None and had is not None:
-            want, had = _paths(want), _paths(had)  # the ranks get this one made absolute
-        if want != had:
+        if key == "PYTHONPATH" and want is not None:
+            # What counts is where this process imports from: pytest-xdist starts its workers without
+            # PYTHONPATH and puts the controller's entries on sys.path. Every entry must be there.
+            if not _on_sys_path(want):
+                changed.append(key)
+        elif want != had:
             changed.append(key)
     return changed
 
 
-def _paths(value: str) -> str:
+def _on_sys_path(pythonpath: str) -> bool:
     from ..rankside.rank import STARTUP_CWD
 
     base = STARTUP_CWD or "/"
-    return os.pathsep.join(os.path.normpath(os.path.join(base, entry)) for entry in value.split(os.pathsep))
+    here = {os.path.normpath(os.path.join(base, entry)) for entry in sys.path}
+    return all(os.path.normpath(os.path.join(base, entry)) in here for entry in pythonpath.split(os.pathsep))
 
 
 def cuda_initialized(maps: Path = Path("/proc/self/maps")) -> bool:
@@ -209,6 +216,7 @@ def _child(rank_argv: list[str], env: Mapping[str, str], cwd: Path, fd: int) -> 
         atexit._clear()  # noqa: SLF001 - pytest's exit handlers are not the rank's
         os.environ.clear()
         os.environ.update(env)
+        sys.dont_write_bytecode = bool(env.get(_BYTECODE_ENV))  # as an exec'd rank's interpreter would read it
         torch = sys.modules.get("torch")
         if torch is not None:  # what OMP_NUM_THREADS=1 gives an exec'd rank (refusal() checked it is 1)
             torch.set_num_threads(1)
