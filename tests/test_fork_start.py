@@ -75,12 +75,53 @@ def test_forked(where):
     assert "pytest" in " ".join(me.parent().cmdline()), "its parent is the user's pytest"
     assert torch.get_num_threads() == 1
     assert (torch.ones(512, 512) @ torch.ones(512, 512)).sum().item() == WARM
+    fresh = torch.Generator().manual_seed(67280421310721)  # a fresh interpreter's default generator
+    assert torch.randn(3).tolist() == torch.randn(3, generator=fresh).tolist(), "not pytest's RNG state"
     assert os.environ["WORLD_SIZE"] in ("1", "2") and os.environ["OMP_NUM_THREADS"] == "1"
 ''')
     result, starts = run(pytester, *FORK)
     result.assert_outcomes(passed=1)
     assert starts == {"test_forked": ["fork", "fork"]}
     assert processes_tagged(launch_tag) == []
+
+
+def test_forked_rank_imports_the_project_afresh_with_its_own_environment(pytester, launch_tag):
+    """The test module and its conftest run again in the rank, as in an exec'd one: module-level code
+    sees the rank's RANK, WORLD_SIZE and marker env, and none of the state an earlier test left in pytest."""
+    pytester.makeconftest('''
+import os
+
+import pytest
+
+RANK_AT_IMPORT = os.environ.get("RANK")
+
+
+@pytest.fixture
+def conftest_rank():
+    return RANK_AT_IMPORT
+''')
+    pytester.makepyfile(test_afresh='''
+import os
+
+import pytest
+
+AT_IMPORT = (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("BATCH"))
+SEEN = []
+
+
+def test_a_plain_test_first():
+    SEEN.append("plain")  # in pytest's own process
+
+
+@pytest.mark.gpumem(nproc=2, timeout=60, env={"BATCH": "64"})
+def test_afresh(conftest_rank):
+    assert AT_IMPORT == (os.environ["RANK"], "2", "64")
+    assert SEEN == [], "module state left by the plain test in pytest"
+    assert conftest_rank == os.environ["RANK"]
+''')
+    result, starts = run(pytester, *FORK)
+    result.assert_outcomes(passed=2)
+    assert starts == {"test_afresh": ["fork"]}
 
 
 def test_a_pytest_xdist_worker_forks_its_ranks(pytester, launch_tag, monkeypatch):

@@ -24,6 +24,7 @@ tracker (it must see the frameworks' imports: the host figure includes them; ``R
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import io
@@ -36,7 +37,9 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Mapping, NoReturn, Sequence
+from typing import Iterator, Mapping, NoReturn, Sequence
+
+from ..rankside.rank import ROOTDIR_ENV, STARTUP_CWD
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
 _SAMPLER_THREADS = ("gpumem-host-sampler", "gpumem-nvml-sampler")
@@ -100,8 +103,6 @@ def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc
 
 
 def _on_sys_path(pythonpath: str) -> bool:
-    from ..rankside.rank import STARTUP_CWD
-
     base = STARTUP_CWD or "/"
     here = {os.path.normpath(os.path.join(base, entry)) for entry in sys.path}
     return all(os.path.normpath(os.path.join(base, entry)) in here for entry in pythonpath.split(os.pathsep))
@@ -125,6 +126,26 @@ def cuda_initialized(maps: Path = Path("/proc/self/maps")) -> bool:
         return True  # mapped, but not found by its name: cannot tell, so do not fork
     context = ctypes.c_void_p()
     return lib.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+# What the launch's signal guard answers (launch._SignalGuard): held, not handled, while a rank is forked.
+_HELD = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a rank is forked and recorded, then let them in.
+
+    Handled inside the fork, a signal's exception would be raised in the fork hooks that logging and
+    filelock run after it (where Python reports and drops it: the launch then ran on to its timeout),
+    or in a child not yet detached from pytest (a second pytest, back in the session). Held, it
+    arrives once the rank is in the launch's list, which the cleanup that follows ends.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
 class ForkedRank:
@@ -160,6 +181,43 @@ class ForkedRank:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def forget_project_modules(rootdir: str | None) -> list[str]:
+    """Drop the project's own modules (the test module, its conftests, the project's helpers: files
+    under the rootdir, not installed packages and not this plugin), so that the rank's pytest imports
+    them afresh: their module-level code then runs in the rank, with its RANK, WORLD_SIZE, LOCAL_RANK
+    and marker env, over none of the state earlier tests left in pytest, as in an exec'd rank. The
+    frameworks stay imported: that is what forking saves."""
+    if not rootdir:
+        return []
+    root = os.path.join(os.path.realpath(rootdir), "")
+    own = os.path.join(os.path.dirname(os.path.realpath(__file__)).rsplit(os.sep, 1)[0], "")
+    dropped = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "__main__":
+            continue
+        real = os.path.realpath(path)
+        if real.startswith(root) and not real.startswith(own) and not _INSTALLED.intersection(real.split(os.sep)):
+            del sys.modules[name]
+            dropped.append(name)
+    return dropped
+
+
+_INSTALLED = frozenset(("site-packages", "dist-packages"))
+_TORCH_DEFAULT_SEED = 67280421310721  # c10's default_rng_seed_val: a fresh interpreter's CPU generator
+
+
+def _as_a_fresh_interpreter() -> None:
+    """What an exec'd rank starts with and a fork would not: the frameworks' thread count and seeds."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives an exec'd rank (refusal() checked it is 1)
+        torch.random.default_generator.manual_seed(_TORCH_DEFAULT_SEED)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # from the OS's entropy, as at numpy's import (Python's random reseeds itself)
 
 
 def fork_rank(rank_argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path) -> ForkedRank:
@@ -213,13 +271,13 @@ def _child(rank_argv: list[str], env: Mapping[str, str], cwd: Path, fd: int) -> 
                     signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
             except (OSError, ValueError):
                 continue
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # held by the launch for the fork (signals_held)
         atexit._clear()  # noqa: SLF001 - pytest's exit handlers are not the rank's
         os.environ.clear()
         os.environ.update(env)
         sys.dont_write_bytecode = bool(env.get(_BYTECODE_ENV))  # as an exec'd rank's interpreter would read it
-        torch = sys.modules.get("torch")
-        if torch is not None:  # what OMP_NUM_THREADS=1 gives an exec'd rank (refusal() checked it is 1)
-            torch.set_num_threads(1)
+        forget_project_modules(env.get(ROOTDIR_ENV))
+        _as_a_fresh_interpreter()
         from ..rankside import rank
 
         rank.main(rank_argv)  # "pytest" mode ends the process itself (rank._exit_fast)

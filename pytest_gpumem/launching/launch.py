@@ -243,8 +243,9 @@ class Launch:
 
     def _fork(self, env: Mapping[str, str], log: Path) -> None:
         """Start one rank forked from pytest, in a session of its own (``forking``)."""
-        proc = forking.fork_rank(self.request.rank_argv, env, self.request.cwd, log)
-        self._procs.append(proc)
+        with forking.signals_held():  # a Ctrl-C now arrives once the rank is ours to end
+            proc = forking.fork_rank(self.request.rank_argv, env, self.request.cwd, log)
+            self._procs.append(proc)
         self._remember(proc.pid)
 
     def _supervise(self, result: LaunchResult, start: float) -> None:
