@@ -1,10 +1,11 @@
 """Start a rank by forking pytest, which has already imported the test module and its frameworks.
 
 An exec'd rank starts an interpreter, imports pytest and its plugins, and collects the test again,
-importing torch a second time: 1.5 s per rank on an H200 machine for a test file that imports
-torch at its top, the largest part of what a GPU test costs beyond its job (benchmarks/speed.py).
+importing torch a second time: ~2 s per rank on an H200 machine for a test file that imports
+torch at its top, the largest part of what a GPU test cost beyond its job (benchmarks/speed.py).
 A forked rank finds all of that in place and starts its own pytest session over the one test at
-once (the imported modules are reused). It runs the same rank code (``rankside.rank.main``), in a
+once: the frameworks stay imported, the project's own modules are imported afresh
+(:func:`forget_project_modules`). It runs the same rank code (``rankside.rank.main``), in a
 session of its own, with the same environment, log and exit report as an exec'd one.
 
 Forking is safe only in a parent that nothing has made unsafe, so :func:`refusal` names what
