@@ -143,8 +143,9 @@ DIRECT_FAULTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(DIRECT_FAULTS))
-def test_rank_fault_is_named_the_session_goes_on_and_baselines_stay(pytester, launch_tag, case):
+def direct_fault_project(pytester: pytest.Pytester, case: str) -> tuple[list[str], Path, bytes]:
+    """test_fault.py with DIRECT_FAULTS[case] in rank 1, then test_next, and a stored baseline for
+    test_fault: (the lines the failure must show, the baseline file, its bytes before the run)."""
     body, lines = DIRECT_FAULTS[case]
     pytester.makepyfile(test_fault=HELPERS + f'''
 
@@ -153,6 +154,12 @@ def test_fault():{body}
     time.sleep(0.5)  # the healthy rank is still running when its peer fails
 ''' + NEXT)
     stored, before = seed_baseline(pytester, "test_fault.py::test_fault")
+    return lines, stored, before
+
+
+@pytest.mark.parametrize("case", sorted(DIRECT_FAULTS))
+def test_rank_fault_is_named_the_session_goes_on_and_baselines_stay(pytester, launch_tag, case):
+    lines, stored, before = direct_fault_project(pytester, case)
     result = run_inline(pytester, "--gpumem-refresh")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(lines)

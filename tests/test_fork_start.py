@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import DIRECT_FAULTS, HELPERS, NEXT, SUBPROCESS_TIMEOUT_S, seed_baseline
+from test_faults import DIRECT_FAULTS, HELPERS, NEXT, SUBPROCESS_TIMEOUT_S, direct_fault_project
 
 from conftest import processes_tagged
 
@@ -163,14 +163,7 @@ def test_exec():
 @pytest.mark.parametrize("case", sorted(DIRECT_FAULTS))
 def test_forked_rank_fault_is_named_the_session_goes_on_and_baselines_stay(pytester, launch_tag, case):
     """The direct launcher's faults (tests/test_faults.py), with forked ranks: same words, no survivor."""
-    body, lines = DIRECT_FAULTS[case]
-    pytester.makepyfile(test_fault=HELPERS + f'''
-
-@pytest.mark.gpumem(nproc=2, timeout=60)
-def test_fault():{body}
-    time.sleep(0.5)  # the healthy rank is still running when its peer fails
-''' + NEXT)
-    stored, before = seed_baseline(pytester, "test_fault.py::test_fault")
+    lines, stored, before = direct_fault_project(pytester, case)
     result, starts = run(pytester, "--gpumem-refresh", *FORK)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(lines)
