@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import pytest
 
 from .config import settings as settings_mod
-from .config.spec import Spec, SpecError, parse_marker
+from .config.spec import Spec, SpecError, marker_signature, parse_marker
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config
 
 if TYPE_CHECKING:
@@ -37,10 +37,8 @@ gpumem = pytest.mark.gpumem
 
 _RECORD_KEY = "gpumem"
 _MARKER_DOC = (
-    "gpumem(nproc=1, max_mib=None, max_ratio=<ini>, allow_mib=<ini>, rank=0, device='auto', "
-    "launcher=<ini>, timeout=<ini>, tolerance=<ini>, env=None, script=None, module=None, args=(), "
-    "config=None, nnodes=None): "
-    "run the test as a real nproc-rank launch and gate the rank's peak memory (pytest --gpumem)"
+    f"{marker_signature()}: run the test as a real nproc-rank launch and gate the rank's peak memory "
+    "(pytest --gpumem); an argument in [brackets] defaults to that ini setting"
 )
 
 

@@ -11,6 +11,16 @@ from conftest import processes_tagged
 pytestmark = pytest.mark.slow
 
 
+def test_the_markers_help_names_every_marker_argument(pytester):
+    """`pytest --markers` is written from the marker argument table, so it cannot drift from the parser."""
+    from pytest_gpumem.config.spec import MARKER_ARGUMENTS
+
+    result = pytester.runpytest("--markers", "-p", "no:cacheprovider")
+    line = next(x for x in result.outlines if x.startswith("@pytest.mark.gpumem("))
+    assert [a.name for a in MARKER_ARGUMENTS if f"{a.name}=" not in line] == []
+    assert "figures=None" in line and "allocated_tolerance=[gpumem_allocated_tolerance]" in line
+
+
 def test_marked_tests_skip_without_the_option(pytester):
     pytester.makepyfile('''
 import pytest

@@ -93,3 +93,21 @@ def test_launch_key_ignores_limits_and_sizes():
     b = spec(nproc=[4, 8], max_mib=100, env={"X": "1"})
     assert a.launch_key() == b.launch_key()
     assert a.launch_key() != spec(nproc=2, env={"X": "2"}).launch_key()
+
+
+def test_the_marker_argument_table_is_what_the_parser_accepts_and_names_its_ini_defaults():
+    """MARKER_ARGUMENTS is the one declaration: the help text and the docs' reference come from it."""
+    from dataclasses import fields
+
+    from pytest_gpumem.config.settings import OPTIONS
+    from pytest_gpumem.config.spec import MARKER_ARGUMENTS
+
+    names = [a.name for a in MARKER_ARGUMENTS]
+    with pytest.raises(SpecError) as unknown:
+        spec(bogus=1)
+    assert unknown.value.args[0].endswith("accepted are " + ", ".join(names))
+    from_ini = {a.name: a.default.strip("[]") for a in MARKER_ARGUMENTS if a.default.startswith("[")}
+    assert set(from_ini) == {f.name for f in fields(Defaults)}
+    assert {name: f"gpumem_{name}" for name in from_ini} == from_ini
+    assert set(from_ini.values()) <= {o.ini for o in OPTIONS}
+    assert all(a.accepted and a.meaning for a in MARKER_ARGUMENTS)

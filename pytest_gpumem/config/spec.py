@@ -162,25 +162,62 @@ class Spec:
         return (self.launcher, self.device, self.env, self.script, self.module, self.args, self.nnodes)
 
 
-_ARGS = (
-    "nproc",
-    "max_mib",
-    "max_ratio",
-    "allow_mib",
-    "rank",
-    "device",
-    "launcher",
-    "timeout",
-    "tolerance",
-    "env",
-    "script",
-    "module",
-    "args",
-    "config",
-    "nnodes",
-    "figures",
-    "allocated_tolerance",
+@dataclass(frozen=True)
+class MarkerArgument:
+    """One argument of the ``gpumem`` marker, declared once: the parser accepts these names, the
+    marker's help text and the docs' reference are written from this table."""
+
+    name: str
+    default: str  # as the help text shows it; an ini key in brackets where the session supplies it
+    accepted: str
+    meaning: str
+
+
+MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
+    MarkerArgument("nproc", "1", f"an int or a list of distinct ints from 1 to {MAX_NPROC}",
+                   "the world sizes to launch"),
+    MarkerArgument("max_mib", "None", "a number > 0", "cap on the gated rank's peak, in MiB, at every launched size"),
+    MarkerArgument("max_ratio", "[gpumem_max_ratio]", "a number > 0, or None (no ratio check)",
+                   "cap on peak(N) / peak(1) of the gated rank; the nproc=1 reference is launched when the "
+                   "list lacks it, and reused by later tests with the same launch parameters"),
+    MarkerArgument("allow_mib", "[gpumem_allow_mib]", "a number >= 0",
+                   "MiB allowed on top of the ratio for buffers that exist only when N > 1: the gate is "
+                   "peak(N) <= max_ratio * peak(1) + allow_mib"),
+    MarkerArgument("rank", "0", "an int below the smallest nproc, or 'all'",
+                   "the rank that gates; 'all' gates the largest rank peak"),
+    MarkerArgument("device", "[gpumem_device]", "one of " + ", ".join(DEVICES),
+                   "the memory that is gated: auto means GPU memory where the ranks use a GPU, host memory otherwise"),
+    MarkerArgument("launcher", "[gpumem_launcher]", "one of " + ", ".join(LAUNCHERS),
+                   "how the ranks start: direct (the plugin spawns them), python -m oneflow.distributed.launch, "
+                   "torchrun, or one Slurm job step"),
+    MarkerArgument("timeout", "[gpumem_timeout]", "a number of seconds > 0", "seconds for the whole launch"),
+    MarkerArgument("tolerance", "[gpumem_tolerance]", TOLERANCE_ACCEPTED,
+                   "drift allowed above the stored baseline"),
+    MarkerArgument("env", "None", "a dict of str to str", "extra environment for the ranks, applied last"),
+    MarkerArgument("script", "None", "a path relative to the rootdir",
+                   "launch this program instead of the test body"),
+    MarkerArgument("module", "None", "a module name", "launch python -m MODULE instead of the test body"),
+    MarkerArgument("args", "()", "a list of strings", "the arguments of script or module"),
+    MarkerArgument("config", "None", "a dict of str to str, number, bool or None",
+                   "settings that move memory: stored with the baseline, and a changed value is listed "
+                   "first when the test fails"),
+    MarkerArgument("nnodes", "None", f"an int from 1 to {MAX_NPROC}, at most nproc",
+                   "launcher='srun' only: nodes to spread the ranks over; None lets Slurm place them"),
+    MarkerArgument("figures", "None", f"a dict from {', '.join(LIMITS)} to 'device' or 'allocated'",
+                   "on a GPU, the figure each limit reads: device is what nvidia-smi shows, allocated is "
+                   "torch's max_memory_allocated; by default "
+                   + ", ".join(f"{limit} reads {figure}" for limit, figure in DEFAULT_FIGURES)),
+    MarkerArgument("allocated_tolerance", "[gpumem_allocated_tolerance]", TOLERANCE_ACCEPTED,
+                   "drift allowed above the baseline's allocator figure"),
 )
+_ARGS = tuple(argument.name for argument in MARKER_ARGUMENTS)
+
+
+def marker_signature() -> str:
+    """``gpumem(nproc=1, max_mib=None, ...)``: the marker's arguments and defaults, for its help text."""
+    return "gpumem(" + ", ".join(f"{a.name}={a.default}" for a in MARKER_ARGUMENTS) + ")"
+
+
 _UNSET = object()
 
 
