@@ -9,6 +9,7 @@ PY311 = $(shell tools/find-python 3.11)
 OF := .venv-oneflow
 TO := .venv-torch
 FLOOR := .venv-floor
+DOCS := .venv-docs
 PYTEST_FLAGS ?= -p no:cacheprovider
 # What the floor venv and tools/check-dist run: the plugin end to end (collection, wrappers, a real
 # launch, the baseline lifecycle) and the pure core, without OneFlow or torch.
@@ -17,7 +18,7 @@ SMOKE := tests/test_install.py tests/test_gate_edges.py tests/test_settings.py t
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test test-gpu test-slurm lint test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
+.PHONY: test test-gpu test-slurm lint docs test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -47,18 +48,30 @@ $(FLOOR)/.ready: pyproject.toml tools/floor-requirements.txt
 	$(FLOOR)/bin/python -m pip check
 	touch $@
 
-# The plugin's own tests: lint and types first, everything in the torch venv, the OneFlow-marked
-# ones in the OneFlow venv, then the smoke tests at the dependency floors.
-test: venvs lint
+# The plugin's own tests: lint and types first, then the docs site, everything in the torch venv, the
+# OneFlow-marked ones in the OneFlow venv, then the smoke tests at the dependency floors.
+test: venvs lint docs
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 tests
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
 	$(MAKE) test-floor
 
 # ruff (with the rule that only plugin.py imports pytest) over every Python file of the repository
-# (tools/ holds shell scripts only), and mypy on the package, configured in pyproject.toml.
+# (tools/ holds shell scripts, and the docs site's hooks), and mypy on the package, configured in pyproject.toml.
 lint: $(TO)/.ready
-	$(TO)/bin/python -m ruff check pytest_gpumem tests benchmarks examples conftest.py
+	$(TO)/bin/python -m ruff check pytest_gpumem tests benchmarks examples conftest.py tools/docs
 	$(TO)/bin/python -m mypy
+
+# The docs site (mkdocs.yml): docs/ with README.md as its home page, the reference tables written from
+# the code; --strict turns every warning (a broken link, anchor or nav entry) into a failure.
+$(DOCS)/.ready: tools/docs/requirements.txt
+	test -n "$(PY311)"
+	rm -rf $(DOCS)
+	$(PY311) -m venv $(DOCS)
+	$(DOCS)/bin/python -m pip install -q -r tools/docs/requirements.txt
+	touch $@
+
+docs: $(DOCS)/.ready
+	$(DOCS)/bin/python -m mkdocs build --strict --clean
 
 test-floor: $(FLOOR)/.ready
 	$(FLOOR)/bin/python -m pytest $(PYTEST_FLAGS) $(SMOKE)
@@ -121,4 +134,4 @@ baselines: venvs
 	$(MAKE) demo PYTEST_FLAGS="$(PYTEST_FLAGS) --gpumem-refresh"
 
 clean:
-	rm -rf $(OF) $(TO) $(FLOOR) mutants
+	rm -rf $(OF) $(TO) $(FLOOR) $(DOCS) site mutants

@@ -1,5 +1,7 @@
-"""The README and docs/ as a newcomer meets them: every link leads somewhere, in the repository and in
-a built sdist, and the examples of "Writing a gpumem test" run as written."""
+"""The README, the changelog and docs/ as a newcomer meets them: a README that fits a screen, every link
+leads somewhere (in the repository, in a built sdist, and on the docs site: `make docs` builds it with
+--strict), a reference that lists every option and marker argument, and the examples of
+docs/writing-tests.md run as written."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import pytest
 from conftest import processes_tagged
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
+README_LIMIT = 8000  # bytes: the two-minute read; the rest is on the docs site
 # [text](target) and ![alt](target), outside code spans and fenced blocks
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -49,6 +52,45 @@ def relative_targets() -> list[tuple[Path, str, Path, str]]:
             path, _, anchor = link.partition("#")
             found.append((page, link, (page.parent / path).resolve(), anchor))
     return found
+
+
+def docs_hooks():
+    """tools/docs/hooks.py, the mkdocs hooks that write the reference tables (loaded without mkdocs)."""
+    spec = importlib.util.spec_from_file_location("gpumem_docs_hooks", REPO / "tools" / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_fits_a_screen_and_names_the_two_commands():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= README_LIMIT
+    assert "make demo" in text and "make test" in text
+
+
+def test_every_docs_page_is_in_the_sites_navigation():
+    nav = (REPO / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
+    listed = set(re.findall(r":\s*([\w-]+\.md)\s*$", nav, re.M))
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} | set(docs_hooks().OUTSIDE_PAGES)
+    assert pages == listed
+
+
+def test_the_reference_lists_every_option_and_marker_argument(pytester: pytest.Pytester):
+    """The tables are written from the code; every flag pytest knows of is on the page."""
+    from pytest_gpumem.config.settings import OPTIONS
+    from pytest_gpumem.config.spec import MARKER_ARGUMENTS
+
+    hooks = docs_hooks()
+    page = (REPO / "docs" / "reference.md").read_text()
+    assert hooks.MARKER_TABLE in page and hooks.OPTION_TABLE in page
+    rendered = page.replace(hooks.MARKER_TABLE, hooks.marker_table()).replace(hooks.OPTION_TABLE, hooks.option_table())
+    for argument in MARKER_ARGUMENTS:
+        assert f"| `{argument.name}` |" in rendered
+    for option in OPTIONS:
+        assert all(f"`{name}`" in rendered for name in (option.flag, option.env, option.ini) if name)
+    flags = set(re.findall(r"(--gpumem[\w-]*)", "\n".join(pytester.runpytest("--help").outlines)))
+    assert len(flags) > len(OPTIONS) and [f for f in sorted(flags) if f"`{f}`" not in rendered] == []
 
 
 def test_the_pages_have_links_to_check():
@@ -93,11 +135,11 @@ def test_every_relative_link_resolves_in_a_built_sdist(tmp_path: Path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The examples of "Writing a gpumem test", run as a newcomer would copy them
+# The examples of docs/writing-tests.md, run as a newcomer would copy them
 
 
-def readme_example(name: str) -> str:
-    text = (REPO / "README.md").read_text()
+def documented_example(name: str) -> str:
+    text = (REPO / "docs" / "writing-tests.md").read_text()
     after = text.split(f"<!-- example: {name} -->", 1)[1]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 
@@ -105,8 +147,8 @@ def readme_example(name: str) -> str:
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_the_readme_torch_example_runs_as_written(pytester: pytest.Pytester, launch_tag: str):
-    pytester.makepyfile(test_readme_torch=readme_example("torch"))
+def test_the_documented_torch_example_runs_as_written(pytester: pytest.Pytester, launch_tag: str):
+    pytester.makepyfile(test_readme_torch=documented_example("torch"))
     result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert processes_tagged(launch_tag) == []
@@ -115,8 +157,8 @@ def test_the_readme_torch_example_runs_as_written(pytester: pytest.Pytester, lau
 @pytest.mark.slow
 @pytest.mark.oneflow
 @pytest.mark.skipif(importlib.util.find_spec("oneflow") is None, reason="needs OneFlow")
-def test_the_readme_oneflow_example_runs_as_written(pytester: pytest.Pytester, launch_tag: str):
-    pytester.makepyfile(test_readme_oneflow=readme_example("oneflow"))
+def test_the_documented_oneflow_example_runs_as_written(pytester: pytest.Pytester, launch_tag: str):
+    pytester.makepyfile(test_readme_oneflow=documented_example("oneflow"))
     result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=1)
     assert processes_tagged(launch_tag) == []
