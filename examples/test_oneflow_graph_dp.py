@@ -20,7 +20,7 @@ nproc=2 the limits are then 356 (or 318) and 433 (or 395) MiB, so the healthy te
 
 `EXAMPLE_BATCH_SBP=broadcast` plays the pull request that introduces the bug into the healthy test:
 its committed baseline, its declared config and its boxing audit then explain the failure
-(see the README).
+(docs/getting-started.md, "A failing test's report").
 """
 import os
 

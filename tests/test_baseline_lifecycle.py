@@ -210,7 +210,7 @@ def test_in_ci_a_baseline_recorded_on_another_cpu_model_is_compared_and_passes(p
 
 def test_xfail_tests_store_their_baselines_and_are_checked_against_them(pytester, monkeypatch, tmp_path,
                                                                       launch_tag):
-    """What the README says of xfail: a refresh stores the baseline, a later run compares against it
+    """What docs/writing-tests.md says of xfail: a refresh stores the baseline, a later run compares against it
     (the check is in the record), and a regression past it is part of the expected failure."""
     extra = tmp_path / "extra"
     extra.write_text("0")

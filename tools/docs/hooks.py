@@ -64,7 +64,7 @@ def option_table() -> str:
     for opt in OPTIONS:
         names = [f"`{opt.flag}`", f"`{opt.env}`" if opt.env else "", f"`{opt.ini}` (ini)"]
         if opt.const is not None:
-            names[0] = f"`{opt.flag}` (means {opt.env}={opt.const})"
+            names[0] = f"`{opt.flag}` (takes no value: {opt.env}={opt.const})"
         rows.append(f"| {'<br>'.join(n for n in names if n)} | {_cell(opt.default_text)} | {_cell(opt.accepted)} "
                     f"| {_cell(opt.help)} |")
     return "\n".join(rows)
