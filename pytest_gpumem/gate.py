@@ -75,6 +75,9 @@ class Gate:
                 except BaselineError as exc:
                     problems.append(f"baseline not refreshed (file left untouched): {exc}")
                     cause = cause or "baseline-error"
+        if test.unlaunched and test.skip_reason is None and not problems:
+            self._unlaunched(test, problems, warnings)
+            cause = cause or ("limit" if problems else None)
         changed: list[str] = []
         if stored:
             size, entry = next(iter(stored.items()))
@@ -148,6 +151,17 @@ class Gate:
                             f"record it with {refresh}", problems, warnings)
         return stored, filed
 
+    def _unlaunched(self, test: TestRun, problems: list[str], warnings: list[str]) -> None:
+        """Sizes neither launched, simulated nor predicted: shown always; where nothing above
+        nproc=1 was gated, a failure in CI (gpumem_unlaunched), since a regression there would pass."""
+        text = "; ".join(f"nproc={n} not launched: {why}" for n, why in sorted(test.unlaunched.items()))
+        gated = any(r.world_size > 1 and r.gated(test.spec.rank)[1] is not None for r in test.results)
+        if not gated and self.settings.fail_on_unlaunched:
+            problems.append(f"gpumem: nothing above nproc=1 was gated: {text} (fails when CI is set; "
+                            "gpumem_unlaunched=warn accepts it, simulate='auto' runs torch sizes as a simulated world)")
+        else:
+            warnings.append(text)
+
     def _unmatched(self, text: str, problems: list[str], warnings: list[str], always_say: bool = False) -> None:
         """A size with no comparable baseline: a failure in CI (configurable), a warning otherwise."""
         mode = self.settings.fail_on_missing_baseline
@@ -160,13 +174,12 @@ class Gate:
         spec = test.spec
         # The ranks' own view (their env knobs, the frameworks they imported), not pytest's.
         provenance = {**host_provenance(os.environ), **test.provenance}
-        entries: dict[int, Entry] = {}
-        platform = ""
+        by_platform: dict[str, dict[int, Entry]] = {}  # a simulated size is filed apart from real ones
         for result in test.results:
             _, gated = result.gated(spec.rank)
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
-            platform = result.platform
+            entries = by_platform.setdefault(result.platform, {})
             rank = result.gated_rank(spec.rank)
             _, allocated, figure = result.read(spec.rank, ALLOCATED)
             reserved = result.allocated.get(rank) if rank is not None else None
@@ -182,7 +195,10 @@ class Gate:
                 reserved_mib=reserved.reserved_mib if reserved is not None else None,
                 sites=tuple(sites),
             )
-        return self.store.update(test.test_id, platform, entries, merge=_steady_sites) if entries else {}
+        changes: dict[int, tuple[Entry | None, Entry]] = {}
+        for platform, entries in by_platform.items():
+            changes.update(self.store.update(test.test_id, platform, entries, merge=_steady_sites))
+        return changes
 
 
 def _steady_sites(old: Entry, new: Entry) -> Entry:

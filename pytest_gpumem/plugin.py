@@ -18,7 +18,7 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.spec import Spec, SpecError, marker_signature, parse_marker
-from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config
+from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank
 
 if TYPE_CHECKING:
     from .gate import Gate
@@ -403,7 +403,7 @@ class RankSide:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = file_rank()
         self.outcome: protocol.RankResult | None = None
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:

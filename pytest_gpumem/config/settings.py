@@ -21,6 +21,7 @@ from .spec import (
     DEFAULT_TOLERANCE,
     DEVICES,
     LAUNCHERS,
+    SIMULATE,
     TOLERANCE_ACCEPTED,
     Defaults,
     SpecError,
@@ -236,6 +237,16 @@ OPTIONS: tuple[Option, ...] = (
            _bool, "1", "1 or 0 (true/false, on/off)",
            "skip, instead of predict, nproc sizes above the launch cap", const="0",
            shown_default="predict"),
+    Option("simulate", "--gpumem-simulate", "GPUMEM_SIMULATE", "gpumem_simulate",
+           _choice(SIMULATE), "auto", "one of " + ", ".join(SIMULATE),
+           "run sizes as a simulated world (torch): the gated rank (every rank for rank='all') alone with a "
+           "stand-in communicator that keeps every tensor's size, so its allocator figure is the real one. "
+           "auto: the sizes that need more GPUs than there are; on: every size above 1; off: never (larger "
+           "sizes are then predicted or shown as not launched). A marker's simulate wins"),
+    Option("unlaunched", "--gpumem-unlaunched", "GPUMEM_UNLAUNCHED", "gpumem_unlaunched",
+           _choice(("auto", "warn", "fail")), "auto", "one of auto, warn, fail",
+           "what a scaling test does when no size above nproc=1 could be gated (too few GPUs, nothing "
+           "simulated or predicted): auto = fail when CI is set, warn otherwise"),
     Option("fast_exit", "--gpumem-fast-exit", FAST_EXIT_ENV, "gpumem_fast_exit",
            _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "ranks end without the interpreter's teardown once threads and atexit handlers are done "
@@ -301,6 +312,8 @@ class Settings:
     max_nproc: int | None = None
     predict: bool = True
     start: str = "auto"
+    simulate: str = "auto"
+    unlaunched: str = "auto"
 
     def defaults(self) -> Defaults:
         return Defaults(
@@ -311,6 +324,7 @@ class Settings:
             tolerance=self.tolerance,
             device=self.device,
             allocated_tolerance=self.allocated_tolerance,
+            simulate=self.simulate,
         )
 
     def make_output_folders(self) -> None:
@@ -330,6 +344,11 @@ class Settings:
         """The rank-side switches, as the ranks read them from their environment."""
         return {option.env: "1" if getattr(self, option.name) else "0"
                 for option in OPTIONS if option.rank_env and option.env}
+
+    @property
+    def fail_on_unlaunched(self) -> bool:
+        """Whether a scaling test that gated nothing above nproc=1 fails (else it warns)."""
+        return self.unlaunched == "fail" or (self.unlaunched == "auto" and bool(os.environ.get("CI")))
 
     @property
     def fail_on_missing_baseline(self) -> bool | None:

@@ -13,6 +13,10 @@ from typing import Any, Mapping
 
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 DEVICES = ("auto", "gpu", "cpu")
+# How a world size is run (rankside.simulate): for real (every rank launched), simulated (the gated
+# rank, or every rank for rank="all", alone with a stand-in communicator), or auto: for real where
+# the GPUs exist, simulated above (torch only).
+SIMULATE = ("auto", "on", "off")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
 DEFAULT_TOLERANCE = "max(5%, 32MiB)"  # gpumem_tolerance's default, and a report's when it names none
 # The allocator's peak of live tensors (torch max_memory_allocated) read the same to 0.01 MiB in
@@ -117,6 +121,7 @@ class Defaults:
     tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_TOLERANCE))
     device: str = "auto"
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
+    simulate: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class Spec:
     nnodes: int | None = None  # launcher="srun": nodes to spread the ranks over (None: Slurm decides)
     figures: tuple[tuple[str, str], ...] = DEFAULT_FIGURES  # limit -> figure it reads on a GPU
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
+    simulate: str = "auto"
 
     def figure(self, limit: str) -> str:
         """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
@@ -209,6 +215,10 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    + ", ".join(f"{limit} reads {figure}" for limit, figure in DEFAULT_FIGURES)),
     MarkerArgument("allocated_tolerance", "[gpumem_allocated_tolerance]", TOLERANCE_ACCEPTED,
                    "drift allowed above the baseline's allocator figure"),
+    MarkerArgument("simulate", "[gpumem_simulate]", "one of " + ", ".join(SIMULATE),
+                   "sizes above nproc=1 as a simulated world (torch): the gated rank, or every rank for "
+                   "rank='all', runs alone with a stand-in communicator; auto simulates only the sizes that "
+                   "need more GPUs than there are, on simulates every size above 1, off never"),
 )
 _ARGS = tuple(argument.name for argument in MARKER_ARGUMENTS)
 
@@ -332,6 +342,9 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
                         f"to {' or '.join(repr(f) for f in FIGURES)}, e.g. {{'max_ratio': 'device'}}")
     allocated_tolerance = (parse_tolerance(kw["allocated_tolerance"], "allocated_tolerance")
                            if "allocated_tolerance" in kw else defaults.allocated_tolerance)
+    simulate = kw.get("simulate", defaults.simulate)
+    if simulate not in SIMULATE:
+        raise SpecError(f"simulate={simulate!r} is not accepted: expected one of {', '.join(SIMULATE)}")
 
     return Spec(
         nproc=nproc,
@@ -351,5 +364,6 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         nnodes=nnodes,
         figures=tuple(sorted({**dict(DEFAULT_FIGURES), **dict(figures)}.items())),
         allocated_tolerance=allocated_tolerance,
+        simulate=simulate,
     )
 # pragma: no mutate end

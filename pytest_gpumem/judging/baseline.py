@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..sampling.identity import SIMULATED_KEY
+
 SCHEMA_VERSION = 2  # 2: optional allocator figures and peak sites per entry; host platforms by architecture
 READ_SCHEMAS = (1, 2)
 MAX_MIB = 2.0**40
@@ -316,7 +318,8 @@ def _legacy_keys(plats: Mapping[str, Any], platform: str) -> list[str]:
         return []
     found = []
     for key, sizes in plats.items():
-        if not key.startswith("cpu:") or architecture(key) is not None or not isinstance(sizes, Mapping):
+        if (not key.startswith("cpu:") or architecture(key) is not None or key.endswith(SIMULATED_KEY)
+                or not isinstance(sizes, Mapping)):
             continue
         archs = {str(e.get("provenance", {}).get("platform", "")).rpartition("-")[2]
                  for e in sizes.values() if isinstance(e, Mapping)}

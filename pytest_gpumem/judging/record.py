@@ -143,6 +143,7 @@ class SizeRecord:
     sites: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)  # live at the peak
     live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the live figure over time
     start: str = ""  # how the ranks were started: fork, exec, or "exec (why not fork)"
+    simulated: tuple[int, ...] = ()  # a simulated world: the ranks measured (verdict.SizeResult.simulated)
 
     @property
     def failed(self) -> bool:
@@ -291,6 +292,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "nodes": _keyed(s.nodes),
         "timeline": [[t, _keyed(point)] for t, point in s.timeline],
         "predicted": None if s.prediction is None else dict(s.prediction),
+        "simulated": list(s.simulated),
         "allocated_ranks": _keyed(s.allocated_ranks,
                                   lambda a: {"allocated_mib": a.mib, "reserved_mib": a.reserved_mib}),
         "allocated_mib": s.allocated_mib,
@@ -491,7 +493,14 @@ class _Reader:
             allocated_mib=self.number(raw, "allocated_mib", where),
             allocated_baseline_mib=self.number(raw, "allocated_baseline_mib", where),
             sites=self.per_rank(raw, "sites", where, self._sites),
-            live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"))
+            live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"),
+            simulated=self._ranks(raw.get("simulated") or [], f"{where}.simulated"))
+
+    def _ranks(self, raw: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(raw, list) or not all(type(r) is int and r >= 0 for r in raw):
+            self.bad(where, "a list of rank numbers", raw)
+            return ()
+        return tuple(raw)
 
     def _allocated(self, raw: Any, where: str) -> AllocatedRecord | None:
         raw = self.obj(raw, where)
@@ -721,6 +730,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
             sites={r: tuple(site.as_dict() for site in sites) for r, sites in sorted(result.sites.items())},
             live_timeline=tuple((round(t, 4), {r: round(v, 2) for r, v in point.items()})
                                 for t, point in result.live_timeline),
+            simulated=result.simulated,
         ))
     if messages is None:
         messages = [str(c) for c in verdict.failures] if verdict is not None else []

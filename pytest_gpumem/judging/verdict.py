@@ -60,6 +60,10 @@ class SizeResult:
     live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the gated live figure over time
     sites_notes: tuple[str, ...] = ()
     start: str = ""  # how the ranks were started: "fork", "exec", or "exec (why a fork was not)"
+    # A simulated world (rankside.simulate): the ranks measured, each alone with a stand-in
+    # communicator; () for a real launch. The allocator figure is exact; the device figure lacks the
+    # communicator's own buffers, so it is a lower bound; a host figure lacks them too.
+    simulated: tuple[int, ...] = ()
 
     @property
     def predicted(self) -> bool:
@@ -91,7 +95,9 @@ class SizeResult:
 
     @property
     def basis(self) -> str:
-        """What the figure stands on, next to the device: empty for a measurement."""
+        """What the figure stands on, next to the device: empty for a measurement of a real world."""
+        if self.simulated:
+            return "simulated world"
         return "" if self.prediction is None else self.prediction.describe()
 
     def gated_rank(self, rank: int | str) -> int | None:
@@ -225,6 +231,8 @@ class Verdict:
                 text += f" ({ratio:.2f}x)"
             if result.predicted:
                 text += " predicted"
+            if result.simulated:
+                text += " simulated"
             if any(c.world_size == result.world_size for c in self.failures):
                 text += " FAIL"
             elif any(c.world_size == result.world_size for c in self.advisories):
@@ -260,6 +268,8 @@ class Verdict:
                 for r, p in sorted(result.peaks.items())
             )
             reused = " (reference reused)" if result.reused else ""
+            if result.simulated:
+                reused += f" (simulated: {simulated_ranks(result)} alone with a stand-in communicator)"
             lines.append(
                 f"  nproc={result.world_size} {result.device} MiB per rank {{{ranks}}} "
                 f"[{result.methods}]{reused}"
@@ -277,6 +287,16 @@ class Verdict:
                 lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def simulated_ranks(result: SizeResult) -> str:
+    """``rank 0`` or ``ranks 0-7`` of a simulated size."""
+    ranks = sorted(result.simulated)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def ratio_figures(spec: Spec, one: SizeResult, result: SizeResult) -> tuple[float | None, float | None, str]:
@@ -315,6 +335,7 @@ def judge(
         if mib is None:
             check("measured", None, False, f"no peak could be measured ({result.methods})", None, label, "")
             continue
+
         if spec.max_mib is not None:
             who, value, figure = result.read(spec.rank, spec.figure("max_mib"))
             if value is not None:
@@ -338,6 +359,14 @@ def judge(
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
             _baseline_checks(spec, result, base, check, extra_notes)
+    simulated = [r for r in results if r.simulated]
+    if simulated:
+        sizes = ", ".join(str(r.world_size) for r in simulated)
+        exact = "its allocator figure is exact; " if any(r.allocated for r in simulated) else ""
+        what = "device figure" if simulated[0].device == "gpu" else "host figure"
+        extra_notes.append(f"nproc={sizes} ran as a simulated world: {exact}its {what} has no communicator "
+                           "buffers, so real ranks hold more (a limit on it fails only where even that figure "
+                           "exceeds it)")
     return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes))
 
 

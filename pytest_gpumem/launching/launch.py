@@ -27,12 +27,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import psutil
 
 from ..rankside import protocol
-from ..rankside.rank import LAUNCH_ID_ENV, STARTUP_CWD, WORKDIR_ENV
+from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
+from ..rankside.simulate import SIMULATE_ENV
 from . import forking
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-             "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID")
+             "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", SIMULATE_ENV, SLOT_ENV)
 _TICK_S = 0.02
 _FAIL_FAST_GRACE_S = 2.0   # let the other ranks finish their own failure report first
 _TERM_GRACE_S = 3.0
@@ -52,6 +53,11 @@ class LaunchRequest:
     timeout: float
     nnodes: int | None = None       # srun only: spread the ranks over this many nodes
     start: str = "exec"             # direct only: "fork" forks the ranks from pytest where it is safe (forking)
+    # direct only: a simulated world (rankside.simulate): process i is rank simulated[i] of a world of
+    # world_size, on the i-th of the GPUs it sees (modulo their number, gpus); () for a real world
+    simulated: tuple[int, ...] = ()
+    world_size: int = 0
+    gpus: int = 1
 
 
 @dataclass
@@ -170,6 +176,15 @@ def direct_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict
             "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
 
 
+def simulated_env(slot: int, request: LaunchRequest) -> dict[str, str]:
+    """Process ``slot`` of a simulated launch: the contract of its rank in the real world, on a
+    node holding the GPUs this launch sees (LOCAL_RANK indexes them); its files under ``slot``."""
+    gpus = max(1, request.gpus)
+    return {"RANK": str(request.simulated[slot]), "WORLD_SIZE": str(request.world_size),
+            "LOCAL_RANK": str(slot % gpus), "LOCAL_WORLD_SIZE": str(min(gpus, request.nproc)),
+            SLOT_ENV: str(slot), SIMULATE_ENV: f"{request.simulated[slot]}/{request.world_size}"}
+
+
 class Launch:
     """Runs one launch to the end; ``on_rank(rank, pid)`` is called as each rank announces itself."""
 
@@ -201,6 +216,8 @@ class Launch:
                 # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
                 for rank in range(req.nproc):
                     rank_env = direct_env(env, rank, req.nproc, port)
+                    if req.simulated:
+                        rank_env.update(simulated_env(rank, req))
                     log = protocol.rank_file(req.workdir, rank, "log")
                     if result.start == "fork":
                         self._fork(rank_env, log)

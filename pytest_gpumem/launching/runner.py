@@ -11,7 +11,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ..config.spec import Spec
 from ..judging.explain import config_provenance
@@ -31,7 +31,7 @@ from ..rankside.rank import (
 from ..sampling import AllocatedPeak, Peak, Sampler
 from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler
-from ..sampling.identity import platform_key
+from ..sampling.identity import platform_key, simulated_key
 from ..sampling.sites import Site, from_dicts
 from . import failures, slurm
 from .failures import RankOutcome
@@ -72,6 +72,7 @@ class TestRun:
     skip_reason: str | None = None
     provenance: dict[str, str] = field(default_factory=dict)  # rank 0's view, newest launch
     predicted: list[SizeResult] = field(default_factory=list)  # sizes above the launch cap (scaling.py)
+    unlaunched: dict[int, str] = field(default_factory=dict)  # sizes neither run nor predicted -> why
 
     @property
     def problems(self) -> list[str]:
@@ -129,6 +130,7 @@ class Runner:
         self.python_allocations = python_allocations  # objects | arenas: how the tracker counts Python's
         self.gpu_sampler = gpu_sampler  # "parent": NVML watched from pytest; "rank": each rank's own thread
         self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
+        self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
         self.start = start  # auto | fork | exec: how a direct launch starts its ranks (see _fork_refusal)
         self.start_refusal = start_refusal  # the session's reason never to fork (pytest's settings)
 
@@ -177,6 +179,8 @@ class Runner:
         launcher, device, env and size). Looked up after the test's launch, which names the framework."""
         for run in test.runs:
             result = run.result
+            if result.simulated:  # an empty job under a stand-in communicator measures no communicator
+                continue
             if not (self.floor == "on" or (self.floor == "auto" and result.device == "gpu")):
                 continue
             framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
@@ -291,10 +295,13 @@ class Runner:
             result = run.result
             if result.world_size not in sizes or result.device != "gpu" or result.sites or result.predicted:
                 continue
-            plan = self._plan(test.spec, result.world_size, f"{test.test_id} (peak sites)")
+            processes = len(result.simulated) or result.world_size
+            plan = self._plan(test.spec, min(processes, self.simulated_gpus or processes),
+                              f"{test.test_id} (peak sites)")
             if plan.skip_reason is not None:
                 continue
-            again = self._launch(test.test_id, test.spec, result.world_size, plan, history=True)
+            again = self._launch(test.test_id, test.spec, result.world_size, plan, history=True,
+                                 simulated=result.simulated)
             rank = result.gated_rank(test.spec.rank)
             found = again.result.sites.get(rank) if rank is not None else None
             if again.problems or rank is None or not found:
@@ -307,7 +314,22 @@ class Runner:
                 f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
                 f"{figure} (--gpumem-sites=on records it in every launch)",))
 
-    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False) -> SizeRun:
+    def simulate(self, test_id: str, spec: Spec, world_size: int, ranks: tuple[int, ...], gpus: int | None) -> SizeRun:
+        """Ranks ``ranks`` of a world of ``world_size`` that is not launched whole: each a real
+        process with a stand-in communicator (``rankside.simulate``), all at once, sharing the
+        ``gpus`` GPUs present (None: host memory). Its figures are keyed by the ranks they stand for."""
+        self.simulated_gpus = gpus
+        direct = replace(spec, launcher="direct")  # a launcher would start the whole world
+        leased = min(len(ranks), gpus) if gpus else len(ranks)
+        plan = self._plan(direct, leased, f"{test_id} (simulated nproc={world_size})")
+        if plan.skip_reason is not None:
+            return SizeRun(result=SizeResult(world_size, "gpu", {}, simulated=ranks),
+                           launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])
+        return self._launch(test_id, direct, world_size, plan, simulated=ranks)
+
+    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
+                simulated: tuple[int, ...] = ()) -> SizeRun:
+        """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones."""
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
@@ -317,12 +339,13 @@ class Runner:
             return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[str(exc)])
         try:  # the folder goes whatever happens, Ctrl-C included
-            return self._launch_in(test_id, spec, nproc, plan, workdir, history)
+            return self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path,
-                   history: bool = False) -> SizeRun:
+    def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
+                   history: bool = False, simulated: tuple[int, ...] = ()) -> SizeRun:
+        nproc = len(simulated) or world  # processes
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
 
@@ -355,6 +378,9 @@ class Runner:
             timeout=spec.timeout,
             nnodes=spec.nnodes,
             start="exec" if refused else "fork",
+            simulated=simulated,
+            world_size=world,
+            gpus=self.simulated_gpus or 1,
         )
         started_at = time.time()  # the ranks' own curves are in epoch seconds
         for sampler in samplers:
@@ -366,6 +392,8 @@ class Runner:
                 sampler.stop()
             plan.release()
         run = self._read(spec, nproc, workdir, launch, host, plan, started_at)
+        if simulated:
+            run = _as_world(run, simulated, world)
         why = launch.start_refusal or (refused if refused not in self._QUIET or self.start == "fork" else None)
         run.result = replace(run.result, start=launch.start + (f" ({why})" if why else ""))
         if why and self.start == "fork":  # asked for: said in the report (auto falls back quietly; the record says)
@@ -414,6 +442,8 @@ class Runner:
                 notes.extend(f"rank {rank} GPU sampler: {p}" for p in report.gpu_problems)
             if report.alloc_problem:
                 notes.append(f"rank {rank}: {report.alloc_problem}; its host figure is resident memory")
+            notes.extend(f"simulated world: {note}" for note in report.simulation if
+                         f"simulated world: {note}" not in notes)
             if rank == 0:
                 provenance = dict(report.provenance)
         # settings the test declared through the gpumem_config fixture
@@ -513,6 +543,26 @@ def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, starte
         for t, mib in curve:
             points.setdefault(round(float(t) - started_at, 4), {})[rank] = float(mib)
     return allocated, sites, tuple(sorted(points.items())), notes
+
+
+def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
+    """A simulated launch's figures, keyed by the ranks its processes stood for, at the world's size."""
+    def keyed(values: Mapping[int, Any]) -> dict[int, Any]:
+        return {ranks[slot]: value for slot, value in values.items() if slot < len(ranks)}
+
+    def curve(points: tuple[tuple[float, Mapping[int, float]], ...]) -> tuple[tuple[float, Mapping[int, float]], ...]:
+        return tuple((t, keyed(values)) for t, values in points)
+
+    result = run.result
+    run.result = replace(
+        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform),
+        peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
+        rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
+        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline))
+    run.outcomes = {ranks[slot]: replace(o, rank=ranks[slot]) for slot, o in run.outcomes.items() if slot < len(ranks)}
+    who = ", ".join(f"process {slot} = rank {rank}" for slot, rank in enumerate(ranks))
+    run.problems = [f"{p}\n(a simulated world of {world}: {who})" for p in run.problems]
+    return run
 
 
 def _exit_text(launch: LaunchResult, rank: int) -> str:

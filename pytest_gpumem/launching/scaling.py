@@ -1,10 +1,11 @@
-"""World sizes above what can be launched here: launch the ones that fit, predict the others.
+"""World sizes above what can be launched here: launch the ones that fit, simulate or predict the others.
 
 The cap is ``gpumem_max_nproc`` when set (so it can be exercised on CPU), else the GPUs present
-when the ranks would use GPUs, else none (host memory: every size launches, as before). A size
-above the cap is predicted from the launched sizes (:mod:`pytest_gpumem.judging.predict`) when at least
-two distinct sizes fit under the cap; otherwise, or with ``--gpumem-no-predict``, the test is
-skipped as before, with the reason. Used by the plugin and by ``gpumem measure`` alike.
+when the ranks would use GPUs, else none (host memory: every size launches). A size above the cap
+runs as a simulated world (``simulate``, :mod:`pytest_gpumem.rankside.simulate`; torch), else is
+predicted from the launched sizes (:mod:`pytest_gpumem.judging.predict`) when at least two fit,
+else is shown as not launched. The sizes that fit are always launched and gated. Used by the
+plugin and by ``gpumem measure`` alike.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class Capacity:
         self._gpu_count = gpu_count  # asked once, and only when max_nproc is None and GPUs matter
         self._gpus: int | None = None
 
+    def gpus(self, spec: Spec) -> int | None:
+        """The GPUs the ranks would use (None: host memory)."""
+        if spec.device == "cpu":
+            return None
+        if self._gpus is None:
+            self._gpus = int(self._gpu_count())
+        return self._gpus or None
+
     def cap(self, spec: Spec) -> tuple[int | None, str]:
         """(largest launchable size or None for no cap, where that number comes from)."""
         if self.max_nproc is not None:
@@ -43,28 +52,39 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to launch and what to predict for one spec."""
+    """What to launch for real, simulate, predict, or only show as not launched, for one spec."""
 
-    launch: Spec  # the spec with only launchable sizes (the original when nothing is capped)
+    launch: Spec  # the spec with only the sizes launched for real (the original when nothing is capped)
     predicted: tuple[int, ...] = ()
     skip_reason: str | None = None
+    simulated: tuple[int, ...] = ()
+    unlaunched: tuple[int, ...] = ()  # neither launched, simulated nor predicted: shown, never gated
+    why: str = ""  # why sizes were not launched for real (the cap and where it comes from)
+    gpus: int | None = None  # the GPUs a simulated size's ranks share (None: host memory)
 
 
 def plan(spec: Spec, capacity: Capacity) -> Plan:
+    """Every size that fits is launched; the others are simulated (``simulate``), else predicted from
+    at least two launched sizes, else shown as not launched. Nothing that fits is skipped."""
     cap, source = capacity.cap(spec)
+    gpus = capacity.gpus(spec) if spec.simulate != "off" else None
+    if spec.simulate == "on":  # every size above 1, whatever fits
+        above = tuple(n for n in spec.sizes if n > 1)
+        return Plan(replace(spec, nproc=tuple(n for n in spec.nproc if n == 1)), simulated=above,
+                    why="simulate='on'", gpus=gpus)
     if cap is None or max(spec.sizes) <= cap:
         return Plan(spec)
-    above = tuple(n for n in spec.nproc if n > cap)
+    above = tuple(n for n in spec.sizes if n > cap)
     within = tuple(n for n in spec.sizes if n <= cap)
-    sizes = ", ".join(map(str, above))
-    head = f"nproc={sizes} needs more processes than can be launched here (at most {cap}: {source})"
-    if not capacity.predict:
-        return Plan(spec, skip_reason=f"{head}; prediction is off (--gpumem-no-predict)")
-    if len(within) < 2:
-        have = ", ".join(map(str, within)) or "none"
-        return Plan(spec, skip_reason=f"{head}; predicting needs at least two launched sizes, and only "
-                                      f"nproc {have} fits: add smaller sizes to nproc (e.g. 1, 2)")
-    return Plan(replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap)), above)
+    head = f"needs more processes than can be launched here (at most {cap}: {source})"
+    launch = replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap))
+    if spec.simulate == "auto":
+        return Plan(launch, simulated=above, why=head, gpus=gpus)
+    if capacity.predict and len(within) >= 2:
+        return Plan(launch, predicted=above, why=head)
+    off = "prediction is off (--gpumem-no-predict)" if not capacity.predict else (
+        "predicting needs at least two launched sizes")
+    return Plan(launch, unlaunched=above, why=f"{head}; simulate='off', and {off}")
 
 
 def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
@@ -86,20 +106,42 @@ def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, flo
 
 
 def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
-    """Launch what fits, then add a predicted :class:`SizeResult` for each size above the cap."""
+    """Launch what fits, simulate or predict the sizes above the cap, and show what is left."""
     chosen = plan(spec, capacity)
     if chosen.skip_reason is not None:
         return TestRun(test_id, spec, skip_reason=chosen.skip_reason)
     test = runner.run(test_id, chosen.launch)
-    test.spec = spec  # the limits and sizes the user asked for, predicted ones included
-    if not chosen.predicted or test.skip_reason is not None or test.problems:
+    test.spec = spec  # the limits and sizes the user asked for, simulated and predicted ones included
+    test.unlaunched = {n: chosen.why for n in chosen.unlaunched}
+    if test.skip_reason is not None or test.problems:
         return test
+    simulated = chosen.simulated
+    if simulated and spec.simulate == "auto" and "oneflow" in test.provenance:  # no stand-in for OneFlow
+        simulated = ()
+        fallback = plan(replace(spec, simulate="off"), capacity)
+        test.unlaunched = {n: fallback.why.replace("simulate='off'", "OneFlow cannot be simulated")
+                           for n in fallback.unlaunched}
+        chosen = replace(chosen, predicted=fallback.predicted)
+    for n in simulated:
+        ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
+        run = runner.simulate(test_id, spec, n, ranks, chosen.gpus)
+        test.runs.append(run)
+        if run.problems or run.all_skipped is not None:
+            test.skip_reason = run.all_skipped
+            return test
+    if chosen.predicted:
+        _predict(test, spec, chosen.predicted)
+    return test
+
+
+def _predict(test: TestRun, spec: Spec, sizes: tuple[int, ...]) -> None:
+    """A predicted :class:`SizeResult` for each of ``sizes``, fitted on the launched ones."""
     label = "largest rank" if spec.rank == "all" else f"rank {spec.rank}"
     launched = [r for r in test.results if not r.predicted]
     device, platform = launched[-1].device, launched[-1].platform
     main = DEVICE if device == "gpu" else HOST
     try:
-        for n in chosen.predicted:
+        for n in sizes:
             points, floors = _points(test, spec, main)
             prediction = predict(points, n, label, floors)
             allocated, _ = _points(test, spec, ALLOCATED) if device == "gpu" else ([], {})
@@ -109,5 +151,4 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
     except PredictError as exc:
         test.predicted.clear()
         if all(r.gated(spec.rank)[1] is not None for r in launched):  # else the verdict fails on it
-            test.skip_reason = f"nproc={', '.join(map(str, chosen.predicted))} cannot be predicted: {exc}"
-    return test
+            test.unlaunched.update({n: f"cannot be predicted: {exc}" for n in sizes})

@@ -104,7 +104,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
         peak = _mib(size.gated_mib)
         if size.gated_mib is not None:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
-                         if size.predicted else "")
+                         if size.predicted else "") + (", **simulated world**" if size.simulated else "")
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"
@@ -180,6 +180,9 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                       "(start-up, communicator; on GPU the CUDA context) plus the job's own")
     legend.extend(f"predicted (not launched): nproc={size.nproc} of `{rec.test}`, {size.basis}"
                   for rec in records for size in rec.sizes if size.predicted)
+    legend.extend(f"simulated world: nproc={size.nproc} of `{rec.test}` (ranks {', '.join(map(str, size.simulated))} "
+                  "each alone with a stand-in communicator: allocator figure exact, device and host figures "
+                  "without the communicator's buffers)" for rec in records for size in rec.sizes if size.simulated)
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -267,6 +270,8 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
                 props.append((f"{key}_allocated_baseline_mib", _mib(size.allocated_baseline_mib, 2)))
         if size.predicted:
             props.append((f"{key}_predicted", size.basis))
+        if size.simulated:
+            props.append((f"{key}_simulated", ",".join(map(str, size.simulated))))
     return props
 
 

@@ -93,6 +93,7 @@ class ExitReport:
     # torch's CUDA allocator (rankside.gpu_allocator): framework, allocated_mib, reserved_mib,
     # devices, and with history: sites, timeline, sites_problem, problems
     gpu_allocator: dict[str, Any] = field(default_factory=dict)
+    simulation: list[str] = field(default_factory=list)  # a simulated rank: what its stand-in did (notes)
 
 
 def write_exit(workdir: Path, rank: int, report: ExitReport) -> None:

@@ -56,6 +56,9 @@ SITES_ENV = "GPUMEM_SITES"  # 0: no peak sites (no memray site read-back, no tor
 PYTHON_ALLOCATIONS_ENV = "GPUMEM_PYTHON_ALLOCATIONS"  # "arenas": Python's objects counted by pymalloc's arenas
 HISTORY_ENV = "GPUMEM_GPU_HISTORY"  # 1: record torch's CUDA allocator history for the GPU sites (set by the parent)
 ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the parent)
+# Which rank-<slot>.* files this process writes: its RANK, except in a simulated world, where the
+# launch's processes stand for ranks picked out of a larger one (rankside.simulate).
+SLOT_ENV = "GPUMEM_SLOT"
 
 _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
 
@@ -63,6 +66,11 @@ _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator w
 def allocator() -> "TorchAllocator | None":
     """The rank's torch allocator watch, for the test body's start and end (plugin.RankSide)."""
     return _allocator
+
+
+def file_rank() -> int:
+    """The rank under which this process's files are written and read (``rank-<r>.*``)."""
+    return int(os.environ.get(SLOT_ENV) or os.environ.get("RANK", "0"))
 
 
 def switched_off(name: str) -> bool:
@@ -76,7 +84,7 @@ def declare_config(settings: dict[str, object]) -> None:
     if workdir:
         from . import protocol
 
-        protocol.update_config(Path(workdir), int(os.environ.get("RANK", "0")), settings)
+        protocol.update_config(Path(workdir), file_rank(), settings)
 
 
 def framework_versions() -> dict[str, str]:
@@ -154,7 +162,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     from ..oneflow.boxing import rank_provenance
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
-    from . import protocol
+    from . import protocol, simulate
 
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
@@ -164,7 +172,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
         alloc_problem=tracker.problem, provenance=provenance, alloc_sites=tracker.sites,
         alloc_timeline=[[t, mib] for t, mib in tracker.timeline], sites_problem=tracker.sites_problem,
-        gpu_allocator=gpu_allocator, **_gpu_report(gpu_sampler)))
+        gpu_allocator=gpu_allocator, simulation=list(simulate.notes), **_gpu_report(gpu_sampler)))
 
 
 def _die_with_parent() -> None:
@@ -227,13 +235,16 @@ def main(argv: list[str]) -> None:
     from ..oneflow.rendezvous import install_oneflow_gate
     from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from ..sampling.allocations import AllocationTracker
-    from . import protocol
+    from . import protocol, simulate
     from .gpu_allocator import TorchAllocator
 
     global _allocator
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
-    rank = int(os.environ.get("RANK", "0"))
+    rank = file_rank()
+    simulated = simulate.world()
+    if simulated is not None:  # before the target imports torch: its process groups are the stand-in
+        simulate.install(simulated)
 
     _redirect_output(protocol.rank_file(workdir, rank, "log"))
     stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler

@@ -19,6 +19,15 @@ ENV_KNOBS = ("OMP_NUM_THREADS", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF"
 ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
 
 
+SIMULATED_KEY = " (simulated)"  # a simulated world's figures are filed apart from a real world's
+
+
+def simulated_key(platform: str) -> str:
+    """``gpu:NVIDIA H200 (simulated)``: where a simulated size's baseline is filed. Its device and host
+    figures lack the communicator's buffers, so they never compare with a real launch's."""
+    return platform if platform.endswith(SIMULATED_KEY) else platform + SIMULATED_KEY
+
+
 def platform_key(device: str, gpu_name: str | None = None) -> str:
     """``gpu:<GPU model>`` or ``cpu:<architecture>``: where a baseline compares.
 

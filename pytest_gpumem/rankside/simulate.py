@@ -1,0 +1,212 @@
+"""Inside a rank of a simulated world: rank R of a world of W whose other ranks do not run.
+
+The launch sets ``GPUMEM_SIMULATED_RANK=R/W`` (and ``RANK``, ``WORLD_SIZE`` as the real world has them).
+Every torch process group the job creates, whatever backend it names, is torch's fake process
+group: no communication, and every tensor a collective reads or writes keeps the size it has in
+the real world. So the rank's allocator figure (parameter shards, collective buffers, gradients,
+optimizer state, activations) is the real one; only the values received from other ranks are not.
+
+Three things the fake group alone gets wrong, mended here:
+
+- DDP's reducer expects its collective's future to hold the bucket; the fake one holds None. A
+  no-op communication hook (torch's own ``noop_hook``) hands the bucket back, as an all-reduce in
+  place would. A comm hook of the job's own is not run (its buffers are not counted): noted.
+- Python objects from other ranks (``all_gather_object`` and the like) do not exist. Gathers are
+  answered with this rank's own object (the world's ranks taken as alike) and noted; receiving
+  another rank's object (a broadcast from, or a scatter by, another rank) stops the rank with a
+  message, rather than run on a garbage size.
+- OneFlow has no such group: a simulated rank that imports it stops with a message.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+SIMULATE_ENV = "GPUMEM_SIMULATED_RANK"  # "R/W": this process is rank R of a simulated world of W
+
+
+class SimulationError(RuntimeError):
+    """What a simulated rank cannot compute; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.rank}/{self.size}"
+
+
+def world(env: Any = os.environ) -> World | None:
+    """The simulated world this process is a rank of, or None in a real launch."""
+    text = env.get(SIMULATE_ENV, "")
+    rank, sep, size = text.partition("/")
+    if not sep or not rank.isdigit() or not size.isdigit():
+        return None
+    return World(int(rank), int(size))
+
+
+notes: list[str] = []  # what the simulation did that the figure's reader should know, said once each
+
+
+def _note(text: str) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
+def install(where: World) -> None:
+    """Arm the stand-in: now where torch is imported already (a forked rank), else at its import."""
+    _after_import("torch", lambda torch: _patch_torch(torch, where))
+    sys.meta_path.insert(0, _Refuse("oneflow", f"OneFlow cannot run as rank {where.rank} of a simulated world "
+                                               f"of {where.size}: it has no stand-in communicator. Launch this "
+                                               "size for real (simulate='off') on enough GPUs"))
+
+
+# ------------------------------------------------------------------------------------ torch
+
+
+def _patch_torch(torch: ModuleType, where: World) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    helper = c10d._new_process_group_helper  # noqa: SLF001
+
+    def rendezvous(url: str, rank: int = -1, world_size: int = -1, **_: Any) -> Any:
+        yield FakeStore(), where.rank, where.size  # no TCP store: the other ranks do not exist
+
+    @functools.wraps(helper)
+    def new_group(group_size: int, group_rank: int, global_ranks: Any, backend: Any, store: Any,
+                  group_name: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:  # backend_options, positionally: a real backend's options mean nothing to the fake one
+            args = (None, *args[1:])
+        kwargs.pop("backend_options", None)
+        return helper(group_size, group_rank, global_ranks, "fake", store, group_name, *args, **kwargs)
+
+    # Module globals, looked up at each call: callers that imported these names are covered too.
+    c10d.rendezvous = rendezvous
+    c10d._new_process_group_helper = new_group  # type: ignore[assignment]  # noqa: SLF001
+    _patch_ddp(torch)
+    _patch_object_collectives(dist, c10d, where)
+
+
+def _patch_ddp(torch: ModuleType) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    init, register = ddp.__init__, ddp.register_comm_hook
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        register(self, None, noop_hook)
+        self._gpumem_simulated = True
+
+    @functools.wraps(register)
+    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        if getattr(self, "_gpumem_simulated", False):
+            _note(f"DDP comm hook {getattr(hook, '__name__', hook)!r} not run in the simulated world "
+                  "(its own buffers are not counted)")
+            return
+        register(self, state, hook)
+
+    def builtin_hook(self: Any, comm_hook_type: Any) -> None:
+        _note(f"DDP built-in comm hook {comm_hook_type} not run in the simulated world")
+
+    ddp.__init__ = __init__
+    ddp.register_comm_hook = register_comm_hook
+    ddp._register_builtin_comm_hook = builtin_hook  # noqa: SLF001
+
+
+def _patch_object_collectives(dist: ModuleType, c10d: ModuleType, where: World) -> None:
+    def rank_of(group: Any) -> int:
+        return int(dist.get_rank(group)) if group is not None else where.rank
+
+    def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+        _note("all_gather_object answered with this rank's own object for every rank (ranks taken as alike)")
+        object_list[:] = [obj] * len(object_list)
+
+    def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+                      group: Any = None, **_: Any) -> None:
+        if object_gather_list is not None:
+            _note("gather_object answered with this rank's own object for every rank (ranks taken as alike)")
+            object_gather_list[:] = [obj] * len(object_gather_list)
+
+    def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
+                              device: Any = None, **_: Any) -> None:
+        if (src or 0) != rank_of(group):
+            raise SimulationError(
+                f"broadcast_object_list from rank {src or 0} in rank {where.rank} of a simulated world of "
+                f"{where.size}: another rank's Python objects do not exist here, and what this rank does "
+                "with them could not be measured. Gate the source rank (rank=0), or launch this size for "
+                "real (simulate='off')")
+
+    def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: Any = None,
+                            src: int | None = None, group: Any = None, **_: Any) -> None:
+        if (src or 0) != rank_of(group):
+            raise SimulationError(
+                f"scatter_object_list from rank {src or 0} in rank {where.rank} of a simulated world of "
+                f"{where.size}: another rank's Python objects do not exist here. Launch this size for "
+                "real (simulate='off')")
+        scatter_object_output_list[0] = scatter_object_input_list[rank_of(group)]
+
+    for name, fn in (("all_gather_object", all_gather_object), ("gather_object", gather_object),
+                     ("broadcast_object_list", broadcast_object_list),
+                     ("scatter_object_list", scatter_object_list)):
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+
+
+# ------------------------------------------------------------------------------------ imports
+
+
+def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    """``then(module)`` once ``name`` is imported: now if it is, else right after its ``__init__``."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+        return
+    sys.meta_path.insert(0, _Watch(name, then))
+
+
+class _Watch(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_original, then = spec.loader.exec_module, self.then
+
+        def exec_module(module: Any) -> None:
+            exec_original(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+class _Refuse(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, why: str) -> None:
+        self.name, self.why = name, why
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname == self.name:
+            raise SimulationError(self.why)
+        return None
