@@ -185,14 +185,29 @@ def test_plan_launches_what_fits_and_predicts_the_rest():
     assert plan(spec(nproc=[2, 8], max_ratio=1.2), Capacity(max_nproc=4)).launch.sizes == (1, 2)
 
 
-def test_plan_skips_with_the_reason():
+def test_plan_never_skips_what_fits_and_says_why_the_rest_is_not_launched():
     s = spec(nproc=[1, 8])
     few = plan(s, Capacity(max_nproc=4))
-    assert few.skip_reason == ("nproc=8 needs more processes than can be launched here (at most 4: "
-                               "gpumem_max_nproc=4); predicting needs at least two launched sizes, and "
-                               "only nproc 1 fits: add smaller sizes to nproc (e.g. 1, 2)")
+    assert few.skip_reason is None and few.launch.nproc == (1,) and few.unlaunched == (8,)
+    assert few.why == ("needs more processes than can be launched here (at most 4: gpumem_max_nproc=4); "
+                       "predicting needs at least two launched sizes")
     off = plan(spec(nproc=[1, 2, 8]), Capacity(max_nproc=4, predict=False))
-    assert off.skip_reason.endswith("prediction is off (--gpumem-no-predict)")
+    assert off.launch.nproc == (1, 2) and off.unlaunched == (8,)
+    assert off.why.endswith("prediction is off (--gpumem-no-predict)")
+
+
+def test_too_few_gpus_simulate_the_sizes_above_them_and_simulate_on_every_size_above_one():
+    capacity = Capacity(gpu_count=lambda: 1)
+    s = spec(nproc=[1, 2, 8])
+    auto = plan(s, capacity)
+    assert auto.launch.nproc == (1,) and auto.simulated == (2, 8) and auto.gpus == 1
+    assert "1 GPU(s) on this machine" in auto.why
+    off = plan(spec(nproc=[1, 2, 8], simulate="off"), capacity)
+    assert off.simulated == () and off.unlaunched == (2, 8)
+    on = plan(spec(nproc=[1, 2, 8], simulate="on", device="cpu"), Capacity())
+    assert on.launch.nproc == (1,) and on.simulated == (2, 8) and on.gpus is None
+    # A cap asked for (gpumem_max_nproc) predicts as before: auto simulates only for want of GPUs.
+    assert plan(spec(nproc=[1, 2, 4, 8]), Capacity(max_nproc=4, gpu_count=lambda: 8)).predicted == (8,)
 
 
 def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
@@ -202,10 +217,11 @@ def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
         calls.append(1)
         return 4
 
-    s = spec(nproc=[1, 2, 4, 8])
+    s = spec(nproc=[1, 2, 4, 8], simulate="off")
     capacity = Capacity(gpu_count=gpus)
     assert plan(s, capacity).predicted == (8,)
-    assert "4 GPU(s) on this machine" in plan(spec(nproc=[1, 8]), capacity).skip_reason
+    assert "4 GPU(s) on this machine" in plan(spec(nproc=[1, 8], simulate="off"), capacity).why
+    assert plan(spec(nproc=[1, 2, 4, 8]), capacity).simulated == (8,)
     assert len(calls) == 1  # asked once per session
     assert plan(spec(nproc=[1, 8], device="cpu"), Capacity(gpu_count=gpus)).predicted == ()
     assert plan(s, Capacity(gpu_count=lambda: 0)).predicted == ()  # no GPU: host memory, no cap

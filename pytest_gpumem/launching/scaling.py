@@ -78,13 +78,14 @@ def plan(spec: Spec, capacity: Capacity) -> Plan:
     within = tuple(n for n in spec.sizes if n <= cap)
     head = f"needs more processes than can be launched here (at most {cap}: {source})"
     launch = replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap))
-    if spec.simulate == "auto":
+    if spec.simulate == "auto" and gpus is not None and cap == gpus:  # too few GPUs (not a cap asked for)
         return Plan(launch, simulated=above, why=head, gpus=gpus)
     if capacity.predict and len(within) >= 2:
         return Plan(launch, predicted=above, why=head)
     off = "prediction is off (--gpumem-no-predict)" if not capacity.predict else (
         "predicting needs at least two launched sizes")
-    return Plan(launch, unlaunched=above, why=f"{head}; simulate='off', and {off}")
+    simulated = "simulate='off', and " if spec.simulate == "off" else ""
+    return Plan(launch, unlaunched=above, why=f"{head}; {simulated}{off}")
 
 
 def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
