@@ -256,7 +256,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
             lines.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                          "compare the floor; if the job's own part did not move, refresh the baseline here)")
     lines.append("  per-rank peaks over the run:")
-    lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
+    lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     failing = {check.world_size for check in verdict.failures}
     # The largest failing size with an audit: one rank alone has no conversions to show. A size
     # that fails only as predicted was never launched: the largest launched one shows the trend.
