@@ -138,7 +138,7 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
             lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
             if rec.grown_sites:  # the line that holds the memory, top 3
                 lines.append(f"  - peak sites that grew since {rec.grown_against}: "
-                             + ", ".join(f"`{_cell(c.line())}`" for c in rec.grown_sites[:3]))
+                             + ", ".join(f"`{_cell(c.brief())}`" for c in rec.grown_sites[:3]))
         if lines:
             out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
     return out
