@@ -230,6 +230,15 @@ class TestRecord:
         return next((s for s in self.sizes if s.nproc == nproc), None)
 
     @property
+    def digits(self) -> int:
+        """Decimals of this test's MiB figures wherever they are shown: enough that each failed
+        comparison reads apart (``505.44 > 505.38``), as in its failure text."""
+        from .verdict import DIGITS, digits_to_tell
+
+        return max((digits_to_tell(c.measured_mib, c.limit_mib) for size in self.sizes for c in size.checks
+                    if not c.ok and c.measured_mib is not None and c.limit_mib is not None), default=DIGITS)
+
+    @property
     def verdict(self) -> str:
         """The status, with the cause of a failure: ``failed (crash)``, ``xfailed (limit)``, ``passed``."""
         return f"{self.status} ({self.cause})" if self.cause and self.status in FAILED else self.status
@@ -705,10 +714,11 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
 
     spec = test.spec
     checks: dict[int, list[CheckRecord]] = {}
+    digits = verdict.digits if verdict is not None else 1  # the failure text's precision, in every sentence
     for check in verdict.checks if verdict is not None else ():
         checks.setdefault(check.world_size, []).append(
-            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, str(check), check.figure,
-                        check.advisory))
+            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, check.text(digits),
+                        check.figure, check.advisory))
     sizes = []
     for result in test.results:
         n = result.world_size
@@ -752,7 +762,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
                                 for t, point in result.live_timeline),
         ))
     if messages is None:
-        messages = [str(c) for c in verdict.failures] if verdict is not None else []
+        messages = [c.text(verdict.digits) for c in verdict.failures] if verdict is not None else []
     return TestRecord(
         test=test.test_id,
         status=status,
