@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .config.settings import Settings
+from .config.spec import Spec
 from .judging import growth as growth_mod
 from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
 from .judging.explain import config_provenance, provenance_diff, timeline_lines
@@ -36,6 +37,19 @@ class Gate:
     def __init__(self, settings: Settings, store: BaselineStore) -> None:
         self.settings = settings
         self.store = store
+
+    def before_launch(self, test_id: str, spec: Spec) -> Outcome | None:
+        """What can be judged before a launch: the test's baseline file reads and validates. A
+        broken file fails the test at once (named, with the field and what is accepted), not after
+        every size has run; None: launch."""
+        try:
+            self.store.platforms(test_id)  # reads and validates the whole file
+        except BaselineError as exc:
+            what = "not refreshed (file left untouched)" if self.settings.refresh else "file unusable (left untouched)"
+            message = f"baseline {what}: {exc}\n  (read before launching: no rank was started)"
+            record = build(TestRun(test_id, spec), None, "failed", cause="baseline-error", messages=[message])
+            return Outcome(record=record, failure=message)
+        return None
 
     def evaluate(self, test: TestRun, relaunch: Callable[[TestRun, set[int]], None] | None = None) -> Outcome:
         """Judge, refresh, explain. ``relaunch(test, sizes)``: where a failing GPU size has no peak
@@ -272,7 +286,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
             lines.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                          "compare the floor; if the job's own part did not move, refresh the baseline here)")
     lines.append("  per-rank peaks over the run:")
-    lines.extend(f"    {line}" for line in timeline_lines(verdict.results))
+    lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     failing = {check.world_size for check in verdict.failures}
     # The largest failing size with an audit: one rank alone has no conversions to show. A size
     # that fails only as predicted was never launched: the largest launched one shows the trend.

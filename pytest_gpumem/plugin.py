@@ -21,7 +21,7 @@ from .config.spec import Spec, SpecError, marker_signature, parse_marker
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank
 
 if TYPE_CHECKING:
-    from .gate import Gate
+    from .gate import Gate, Outcome
     from .judging.record import TestRecord
     from .launching.runner import Runner
     from .launching.scaling import Capacity
@@ -295,9 +295,12 @@ class ParentSide:
 
     def run_item(self, item: GpumemItem) -> None:
         from .launching import scaling
-        from .presentation import outputs
 
         gate, runner = self.machinery()
+        outcome = gate.before_launch(item.nodeid, item.spec)  # a broken baseline file fails before 30 s of launches
+        if outcome is not None:
+            self._finish(item, outcome)
+            return
         if self._capacity is None:  # GPUs are counted at the first test whose sizes may pass them
             from .sampling.nvml import visible_gpus
 
@@ -305,6 +308,12 @@ class ParentSide:
                                               lambda: len(visible_gpus()))
         outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity),
                                 relaunch=runner.relaunch_for_sites if self.settings.sites == "auto" else None)
+        self._finish(item, outcome)
+
+    def _finish(self, item: GpumemItem, outcome: Outcome) -> None:
+        """The outcome as pytest's: the record on the report, then skip, fail or warnings."""
+        from .presentation import outputs
+
         item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record.to_json())))
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:

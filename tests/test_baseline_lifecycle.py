@@ -120,6 +120,42 @@ def test_broken_file_fails_with_file_and_field_and_is_never_overwritten(pytester
         assert stored.read_text() == broken
 
 
+def test_a_broken_file_fails_before_any_launch(pytester, monkeypatch, tmp_path, launch_tag):
+    """The newcomer waited 32 s (both sizes launched) for "baseline file unusable": the file is read
+    first, and a rank that would have run leaves a marker: none does, in a check or in a refresh."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("MARKER_FILE", str(marker))
+    pytester.makepyfile(test_job='''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=[1, 2])
+def test_sizes():
+    open(os.environ["MARKER_FILE"] + os.environ["RANK"], "w").close()
+
+@pytest.mark.gpumem(nproc=1)
+def test_other():
+    pass
+''')
+    stored = pytester.path / "baselines" / "test_job.py.json"
+    stored.parent.mkdir()
+    broken = '{"schema": 1, "tests": {"test_sizes": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
+    stored.write_text(broken)
+    for extra, what in (((), "file unusable (left untouched)"), (("--gpumem-refresh",), "not refreshed (file left "
+                                                                                        "untouched)")):
+        result = run(pytester, "-k", "test_sizes", *extra)
+        result.assert_outcomes(failed=1, deselected=1)
+        result.stdout.fnmatch_lines([f"*baseline {what}: {stored}: tests*test_sizes*.device: missing; "
+                                     "expected all of device, *",
+                                     "*(read before launching: no rank was started)*"])
+        assert list(tmp_path.glob("ran*")) == []  # no rank ran the body
+        assert stored.read_text() == broken
+    # the launch does run where the file is sound
+    stored.unlink()
+    run(pytester, "-k", "test_sizes").assert_outcomes(passed=1, deselected=1)
+    assert {p.name for p in tmp_path.glob("ran*")} == {"ran0", "ran1"}
+
+
 def test_truncated_file_names_line_and_column(pytester, job, launch_tag):
     stored = pytester.path / "baselines" / "test_job.py.json"
     stored.parent.mkdir()

@@ -588,7 +588,8 @@ def test_leaves_a_stubborn_child():
 # --- 10: the baseline folder (and report, lease folder) cannot be written ---------------------------
 
 UNUSABLE = {
-    "a-regular-file": lambda root: (root / "not-a-folder", "File exists"),
+    # a refresh reads the file before launching: a path under a regular file cannot be read
+    "a-regular-file": lambda root: (root / "not-a-folder", "(file): cannot be read (Not a directory)"),
     "under-proc": lambda root: (Path("/proc/gpumem-baselines"), "No such file or directory"),
 }
 

@@ -71,7 +71,8 @@ def test_ratio_edge_with_and_without_allowance(allow, mib, ok):
     v = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=allow), [result(1, 1000.0), result(2, mib)])
     assert kinds(v) == [("max_ratio", 2, ok)]
     assert v.checks[0].limit_mib == 1500.0 + allow
-    assert f"= {1500.0 + allow:.1f} MiB (ratio {mib / 1000:.2f}x)" in v.checks[0].detail
+    digits = 1 if ok else 2  # a failure 0.01 MiB over its limit shows the hundredths that make it fail
+    assert f"= {1500.0 + allow:.{digits}f} MiB (ratio {mib / 1000:.2f}x)" in v.checks[0].detail
 
 
 def test_ratio_is_not_checked_at_nproc_1_nor_without_a_reference():
@@ -83,8 +84,8 @@ def test_ratio_against_a_zero_reference_gates_on_the_allowance_without_dividing(
     at = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0)])
     above = judge(spec(nproc=[1, 2], max_ratio=1.5, allow_mib=64), [result(1, 0.0), result(2, 64.0 + JUST)])
     assert at.passed and not above.passed
-    assert str(above.failures[0]) == ("rank 0 at nproc=2 (cpu): peak 64.0 MiB > 1.50 x 0.0 MiB (nproc=1) + 64 MiB"
-                                      " = 64.0 MiB (no ratio: the nproc=1 peak is 0 MiB)")
+    assert str(above.failures[0]) == ("rank 0 at nproc=2 (cpu): peak 64.01 MiB > 1.50 x 0.00 MiB (nproc=1) + 64 MiB"
+                                      " = 64.00 MiB (no ratio: the nproc=1 peak is 0 MiB)")
     assert at.ratio(2) is None and "2: 64.0 MiB" in at.summary_line()
 
 
@@ -117,7 +118,9 @@ def test_baseline_edge(tolerance, base, limit, shown):
     above = judge(spec(nproc=2), [result(2, limit + JUST)], refs)
     assert kinds(at) == [("baseline", 2, True)] and kinds(above) == [("baseline", 2, False)]
     assert at.checks[0].limit_mib == limit
-    assert f"baseline {base:.1f} MiB + {shown} = {limit:.1f} MiB" in str(above.failures[0])
+    assert f"baseline {base:.1f} MiB + {shown} = {limit:.1f} MiB" in str(at.checks[0])
+    assert (f"peak {limit + JUST:.2f} MiB > baseline {base:.2f} MiB + {shown} = {limit:.2f} MiB"
+            in str(above.failures[0]))
 
 
 @pytest.mark.parametrize(
@@ -198,7 +201,7 @@ def test_unmeasured_size_fails_and_the_larger_sizes_are_still_judged():
     v = judge(spec(nproc=[1, 2], max_mib=100), [result(1, None), result(2, 100.0 + JUST)])
     assert kinds(v) == [("measured", 1, False), ("max_mib", 2, False)]
     assert str(v.checks[0]) == "rank 0 at nproc=1 (cpu): no peak could be measured (high-water mark)"
-    assert str(v.checks[1]) == "rank 0 at nproc=2 (cpu): peak 100.0 MiB > max_mib 100.0 MiB"
+    assert str(v.checks[1]) == "rank 0 at nproc=2 (cpu): peak 100.01 MiB > max_mib 100.00 MiB"
 
 
 def test_ratio_text_against_a_reference_below_1_mib():

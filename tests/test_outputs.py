@@ -479,3 +479,28 @@ def test_a_refresh_that_stores_a_failing_figure_says_so():
         "t::inflated nproc=2: (new) -> 613.2 MiB (this run fails its limits: the baseline now records that; "
         "review before committing)",
         "t::ok nproc=2: 290.0 -> 293.2 MiB (+1.1%)"]
+
+
+def test_a_failure_just_over_its_baseline_reads_apart_in_the_table_and_the_markdown():
+    """The failure text prints 505.44 > 505.38: the session's table and the Markdown print the same
+    figures, not 505.4 and 505.4."""
+    from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
+    from pytest_gpumem.judging.record import build
+    from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
+    from pytest_gpumem.presentation.report import table
+    from pytest_gpumem.sampling import Peak
+
+    class Run:
+        test_id = "t.py::test_lm"
+        spec = parse_marker((), {"nproc": 2}, Defaults())
+        results = [SizeResult(2, "cpu", {0: Peak(505.44, "live allocations (memray)"),
+                                         1: Peak(505.3, "live allocations (memray)")})]
+        provenance: dict = {}
+
+    verdict = judge(Run.spec, Run.results, {2: BaselineRef(505.38, Tolerance(mib=0.0))})
+    record = build(Run(), verdict, "failed", cause="limit", baselines={2: 505.38})
+    assert record.digits == 2 and record.messages[0].startswith("rank 0 at nproc=2 (cpu): peak 505.44 MiB > ")
+    row = next(line for line in table([record]) if line.startswith("t.py::test_lm"))
+    assert "505.44 (rank 0)" in row and "505.30" in row and "505.38" in row
+    markdown = outputs.markdown([record])
+    assert "505.44 (rank 0, cpu)" in markdown and "| 505.38 | +0.06 MiB" in markdown

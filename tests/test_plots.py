@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from pytest_gpumem.judging.record import AllocatedRecord, CheckRecord, RankPeak, SizeRecord, TestRecord, load_report
+from pytest_gpumem.judging.record import (
+    AllocatedRecord,
+    CheckRecord,
+    Limits,
+    RankPeak,
+    SizeRecord,
+    TestRecord,
+    load_report,
+)
 from pytest_gpumem.presentation import plots
 
 pytest.importorskip("matplotlib")
@@ -96,3 +104,54 @@ def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
     assert "peak 7905.0 MiB (allocated, rank 0)" in lines and "peak 14370.0 MiB (device figure, rank 0)" in lines
     assert "baseline + tolerance = 7804 [allocated]" in lines and "max_mib 20000 [device figure]" in lines
     assert "baseline 7765 [allocated]" in lines
+
+
+def newcomer_size() -> SizeRecord:
+    """The newcomer's nproc=1 panel: a 1500 MiB cap far above live figures of 473-538 MiB, a baseline
+    and baseline + tolerance 16 MiB apart, RSS up to 1200 MiB running on after the gated curve,
+    two ranks whose curves coincide."""
+    checks = (CheckRecord("max_mib", True, 538.0, 1500.0, "", "host"),
+              CheckRecord("baseline", True, 538.0, 560.0, "", "host"))
+    live = tuple((t / 10, {0: 473.0 + 65.0 * (t == 10), 1: 473.0 + 65.0 * (t == 10)}) for t in range(18))
+    rss = tuple((t / 10, {0: 600.0 + 30.0 * t, 1: 600.0 + 30.0 * t}) for t in range(21))
+    return SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=538.0,
+                      ranks={0: RankPeak(538.0, "live allocations (memray)"),
+                             1: RankPeak(538.0, "live allocations (memray)")},
+                      checks=checks, baseline_mib=544.0, timeline=rss, live_timeline=live)
+
+
+def test_the_axis_is_scaled_to_what_is_gated_and_a_far_cap_is_marked_at_the_top():
+    size = newcomer_size()
+    record = TestRecord(test="t.py::test_lm", status="passed", nproc=(2,), sizes=(size,),
+                        limits=Limits(max_mib=1500.0))
+    figure, canvas = plots._matplotlib()
+    fig = figure(figsize=(13, 4), layout="constrained")
+    canvas(fig)
+    ax = fig.subplots()
+    plots._draw_size(ax, record, size)
+    bottom, top = ax.get_ylim()
+    # the gated curve, the baseline and baseline + tolerance are in view; the cap and most of RSS are not
+    assert bottom == 0 and 560.0 < top < 1500.0 and top <= 560.0 * plots.HEADROOM + 0.01
+    notes = [text.get_text() for text in ax.texts]
+    assert "\u25b2 max_mib 1500 [live allocations] (above the scale)" in notes
+    assert {"544", "560"} <= set(notes)  # the close lines carry their figures at the edge
+    labels = {str(line.get_label()) for line in ax.get_lines()}
+    assert "rank 0 resident (RSS), not gated; cut at the top" in labels
+    assert "rank 1 live allocations (peak = rank 0's within 0.1 MiB)" in labels  # would hide under rank 0
+    styles = {str(line.get_label()).split(" live")[0]: line.get_linestyle() for line in ax.get_lines()
+              if " live allocations" in str(line.get_label())}
+    assert styles["rank 0"] != styles["rank 1"]
+    # why the gated curve ends where it ends: a marker at its last sample, before RSS ends
+    ends = [line for line in ax.get_lines() if str(line.get_label()).startswith("gated curve ends")]
+    assert len(ends) == 1 and list(ends[0].get_xdata()) == [1.7, 1.7]
+    # the legend sits outside the axes, off the lines
+    fig.canvas.draw()
+    legend = ax.get_legend()
+    assert legend is not None
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_the_scale_keeps_near_limits_and_leaves_far_ones_above():
+    top, far = plots.y_scale([473.0, 538.0, 544.0, 560.0], [675.0, 1500.0])
+    assert top == pytest.approx(675.0 * plots.HEADROOM) and far == [1500.0]
+    assert plots.y_scale([], [1500.0]) == (None, [])

@@ -56,7 +56,9 @@ def full_record() -> TestRecord:
                       sizes=(size, predicted), provenance={"torch": "2.13.0"}, messages=("over",), notes=("n",),
                       baseline_changes=(BaselineChange(2, None, 812.5), BaselineChange(8, 800.0, 812.5)),
                       changed_since_baseline=("torch 2.12 -> 2.13",),
-                      grown_sites=(SiteChange("t.py:7 f (all_gather)", 0.0, 256.0),), grown_against="nproc=1",
+                      grown_sites=(SiteChange("t.py:7 f (all_gather)", 0.0, 256.0),
+                                   SiteChange("m.py:18 forward", 16.0, 48.0, ("t.py:25 train", "t.py:40 main"), 2)),
+                      grown_against="nproc=1",
                       sites_summary="1 site shrank by 2.0 MiB")
 
 

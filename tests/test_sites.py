@@ -5,13 +5,14 @@ the launches in test_sites_launch.py and on the GPU machine)."""
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pytest_gpumem.judging.growth import compare, steady, stored_sites
 from pytest_gpumem.sampling import MiB
-from pytest_gpumem.sampling.sites import NATIVE, Site, fold, group, is_internal, memray_sites, thin
+from pytest_gpumem.sampling.sites import NATIVE, Site, fold, from_dicts, group, is_internal, memray_sites, thin
 from pytest_gpumem.sampling.torch_history import replay
 
 ROOT = Path("/proj")
@@ -185,3 +186,53 @@ def test_what_happens_after_the_body_is_not_its_peak():
               ("alloc", 2, 500 * mib, 3.0, "teardown")]
     found = replay(snapshot(events, live=[(2, 500 * mib, "teardown")]), until_s=2.5)
     assert found.peak_bytes == 100 * mib and [f[0][0] for f, _ in found.blocks] == ["body"]
+
+
+def test_a_site_carries_the_user_frames_above_it_shown_never_compared():
+    """The newcomer's case: ``return self.head(x)`` allocates the logits, the training loop's list
+    keeps them. The site is the allocating line; its callers (framework frames skipped) come with it."""
+    linear = sysconfig.get_paths()["purelib"] + "/torch/nn/modules/linear.py"
+    module = sysconfig.get_paths()["purelib"] + "/torch/nn/modules/module.py"
+    stack = [("forward", linear, 125), ("_call_impl", module, 1750), ("forward", "/proj/tinylm/model.py", 18),
+             ("_call_impl", module, 1750), ("train", "/proj/train.py", 25), ("test_train", "/proj/test_lm.py", 9),
+             ("pytest_pyfunc_call", STDLIB, 1)]
+    site = fold(stack, ROOT)
+    assert site == Site("tinylm/model.py:18", "forward", "forward")  # the identity of before
+    assert site.callers == ("train.py:25 train", "test_lm.py:9 test_train")
+    assert site.called_from() == ["called from train.py:25 train", "called from test_lm.py:9 test_train"]
+    # one site, two chains: the larger one is shown, the other counted
+    other = [*stack[:4], ("evaluate", "/proj/train.py", 40)]
+    grouped = group([(stack, 64 * MiB, 4, ""), (other, 8 * MiB, 1, "")], ROOT)
+    assert [(s.label(), s.callers, s.chains) for s in grouped] == [
+        ("tinylm/model.py:18 forward (forward)", ("train.py:25 train", "test_lm.py:9 test_train"), 2)]
+    assert grouped[0].called_from()[-1] == "called from test_lm.py:9 test_train (and 1 other call chain)"
+    # the chain travels in a rank's report, not into a baseline; a baseline's site matches it as before
+    assert from_dicts([grouped[0].as_dict()])[0].callers == grouped[0].callers
+    stored = stored_sites(grouped)
+    assert set(stored[0]) == {"where", "function", "detail", "mib", "count", "internal"}
+    grown = compare(from_dicts(stored), [replace(grouped[0], mib=136.0)], "the baseline")
+    assert grown.lines() == ["+64.0 MiB  tinylm/model.py:18 forward (forward)",
+                             "             called from train.py:25 train",
+                             "             called from test_lm.py:9 test_train (and 1 other call chain)"]
+
+
+def test_a_comprehension_in_a_caller_is_named_once():
+    stack = [("forward", "/proj/m.py", 5), ("<listcomp>", "/proj/t.py", 9), ("step", "/proj/t.py", 9),
+             ("main", "/proj/t.py", 20)]
+    assert fold(stack, ROOT).callers == ("t.py:9 step", "t.py:20 main")
+
+
+def test_a_gpu_site_from_the_allocator_history_carries_its_callers_too():
+    """torch's history gives each block its Python stack (innermost first): the same folding, so a GPU
+    site shows the caller that keeps its blocks, as a host site does."""
+    mib = MiB
+    stack = [{"filename": sysconfig.get_paths()["purelib"] + "/torch/nn/modules/linear.py", "line": 125,
+              "name": "forward"},
+             {"filename": "/proj/tinylm/model.py", "line": 18, "name": "forward"},
+             {"filename": "/proj/train.py", "line": 25, "name": "train"}]
+    shot = {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 64 * mib, "requested_size": 64 * mib,
+                                                   "state": "active_allocated", "frames": stack}]}],
+            "device_traces": [[]]}
+    found = replay(shot)
+    sites = group([(frames_, size, 1, "") for frames_, size in found.blocks], ROOT)
+    assert [(s.label(), s.callers) for s in sites] == [("tinylm/model.py:18 forward (forward)", ("train.py:25 train",))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from jobs import TORCH_DDP
 
@@ -194,3 +196,58 @@ def test_healthy():
     assert floors[("test_healthy", 2)] == floors[("test_inflating", 2)]
     inflating = {s["nproc"]: s["gated_mib"] - s["floor"]["ranks"]["0"] for s in tests["test_inflating"]["sizes"]}
     assert inflating[2] - inflating[1] > 100, inflating  # the 150 MiB gathered is the job's own
+
+
+def test_a_grown_site_names_the_allocating_line_and_the_caller_that_keeps_it(pytester, launch_tag):
+    """The newcomer's regression: each step's logits appended to a list. The logits are allocated in
+    the model's ``forward``; the list that keeps them is in the caller: the failure names both."""
+    model = pytester.makepyfile(tinymodel='''
+import torch
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(256, 4096)
+
+    def forward(self, x):
+        return self.head(x)  # allocates the logits: 1024 x 4096 float32, 16 MiB
+''')
+    test = pytester.makepyfile(test_lm='''
+import os
+
+import pytest
+import torch
+
+from tinymodel import Tiny
+
+
+def train(model, steps):
+    kept = []
+    for _ in range(steps):
+        kept.append(model(torch.ones(1024, 256)))  # keeps every step's logits alive
+    return kept
+
+
+@pytest.mark.gpumem(nproc=[1, 2], max_ratio=1.0, allow_mib=16)
+def test_lm():
+    with torch.no_grad():
+        train(Tiny(), 2 * int(os.environ["WORLD_SIZE"]))
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-report=report.json")
+    result.assert_outcomes(failed=1)
+    def line_of(path, needle):
+        return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+    forward = f"tinymodel.py:{line_of(model, 'return self.head(x)')} forward"
+    caller = f"test_lm.py:{line_of(test, 'kept.append(')} train"  # the line that keeps the logits
+    lines = result.stdout.str().splitlines()
+    at = next(i for i, line in enumerate(lines) if f"MiB  {forward} (forward)" in line)
+    assert re.match(r"\s*\+3\d\.\d MiB  ", lines[at]), lines[at]  # two more steps of 16 MiB at nproc=2
+    assert lines[at + 1].strip() == f"called from {caller}", lines[at:at + 3]
+    assert lines[at + 2].strip() == f"called from test_lm.py:{line_of(test, 'train(Tiny()')} test_lm", lines[at:at + 3]
+    from pytest_gpumem.judging.record import load_report
+
+    record = load_report(pytester.path / "report.json")[0]
+    assert record.grown_sites[0].label.startswith(forward)
+    assert record.grown_sites[0].callers[0] == caller

@@ -134,3 +134,23 @@ def test_a_prediction_that_could_not_be_validated_shows_but_never_fails():
     v = judge(s, [result(1, 3190), result(2, 3476, 3476), result(4, *[4048] * 4),
                   SizeResult(8, "gpu", {}, prediction=three)])
     assert not v.passed and [c.world_size for c in v.failures] == [8]
+
+
+def test_a_value_just_above_its_limit_is_printed_with_the_digits_that_show_it():
+    """The newcomer read ``505.4 MiB > baseline + tolerance 505.4 MiB``: the figures get the decimals
+    that tell them apart, and every line of the output prints them alike."""
+    s = spec(nproc=[1, 2])
+    tol = Tolerance(mib=0.0)
+    v = judge(s, [result(1, 400.0), result(2, 505.44, 505.3)], {2: BaselineRef(505.38, tol)})
+    text = v.render()
+    assert v.digits == 2
+    assert text.splitlines()[0] == "gpumem: 505.44 MiB > baseline + tolerance 505.38 MiB (rank 0, nproc=2)"
+    assert "peak 505.44 MiB > baseline 505.38 MiB + 0 MiB = 505.38 MiB" in text
+    assert "2: 505.44 MiB" in text and "{0: 505.44, 1: 505.30}" in text  # one precision in every line
+    assert "505.4 " not in text and "505.4," not in text
+    # a byte over: as many decimals as it takes
+    tight = judge(spec(nproc=1, max_mib=512), [result(1, 512 + 1 / 2**20)])
+    assert tight.render().splitlines()[0].startswith("gpumem: 512.000001 MiB > max_mib 512.000000 MiB")
+    # a failure that reads apart at one decimal keeps one
+    apart = judge(spec(nproc=1, max_mib=500), [result(1, 505.44)])
+    assert apart.render().startswith("gpumem: 505.4 MiB > max_mib 500.0 MiB")

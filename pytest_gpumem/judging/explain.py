@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .verdict import SizeResult
+from .verdict import DIGITS, SizeResult, mib
 
 CONFIG_PREFIX = "config."
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
@@ -49,9 +49,9 @@ def peak_times(result: SizeResult) -> dict[int, float]:
     timeline = result.live_timeline if result.device == "cpu" and result.live_timeline else result.timeline
     best: dict[int, tuple[float, float]] = {}
     for t, point in timeline:
-        for rank, mib in point.items():
-            if rank not in best or mib > best[rank][0]:
-                best[rank] = (mib, t)
+        for rank, value in point.items():
+            if rank not in best or value > best[rank][0]:
+                best[rank] = (value, t)
     return {rank: t for rank, (_, t) in best.items()}
 
 
@@ -63,8 +63,9 @@ def imbalance(result: SizeResult) -> float | None:
     return (max(values) - min(values)) / max(values)
 
 
-def timeline_lines(results: Iterable[SizeResult]) -> list[str]:
-    """Per world size: each rank's peak and when it happened, and the imbalance between ranks."""
+def timeline_lines(results: Iterable[SizeResult], digits: int = DIGITS) -> list[str]:
+    """Per world size: each rank's peak and when it happened, and the imbalance between ranks (the
+    peaks at ``digits`` decimals: those of the verdict they are printed under)."""
     lines = []
     for result in results:
         if result.reused or result.predicted:  # a predicted size never ran: no timeline
@@ -76,7 +77,7 @@ def timeline_lines(results: Iterable[SizeResult]) -> list[str]:
                 cells.append(f"rank {rank} n/a")
                 continue
             at = f" at {times[rank]:.2f}s" if rank in times else ""
-            cells.append(f"rank {rank} {peak.mib:.1f} MiB{at}")
+            cells.append(f"rank {rank} {mib(peak.mib, digits)} MiB{at}")
         spread = imbalance(result)
         tail = f"; imbalance {spread * 100:.1f}%" if spread is not None else ""
         lines.append(f"nproc={result.world_size} ({result.duration_s:.1f} s): " + ", ".join(cells) + tail)

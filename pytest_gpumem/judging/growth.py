@@ -45,7 +45,9 @@ class Growth:
         return "; ".join(parts)
 
     def lines(self, limit: int = LISTED) -> list[str]:
-        lines = [change.line() for change in self.grown[:limit]]
+        """Each grown site (where it was allocated, then the user frames it was called from), then
+        the summary of the rest."""
+        lines = [line for change in self.grown[:limit] for line in change.lines()]
         summary = self.summary()
         return lines + ([f"({summary})"] if summary else [])
 
@@ -75,7 +77,7 @@ def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete
         old_mib = was.mib if was is not None else min(floor, site.mib)
         delta = site.mib - old_mib
         if delta >= LISTED_MIB:
-            grown.append(SiteChange(site.label(), old_mib, site.mib))
+            grown.append(SiteChange(site.label(), old_mib, site.mib, site.callers, site.chains))
         elif delta > 0.05:
             unlisted, unlisted_mib = unlisted + 1, unlisted_mib + delta
         elif delta < -0.05:
@@ -96,11 +98,13 @@ def _unlined(site: Site) -> tuple[str, str, str]:
 
 
 def stored_sites(sites: Iterable[Site]) -> list[dict[str, Any]]:
-    """What a baseline keeps: the top user sites and the internals' sums, sizes to 0.1 MiB."""
+    """What a baseline keeps: the top user sites and the internals' sums, sizes to 0.1 MiB (where
+    each was allocated; not the callers, which are shown, not compared)."""
     sites = list(sites)
     users = [s for s in sites if not s.internal][:STORED]
     kept = users + [s for s in sites if s.internal]
-    return [{**s.as_dict(), "mib": round(s.mib, 1)} for s in kept]
+    return [{key: value for key, value in {**s.as_dict(), "mib": round(s.mib, 1)}.items()
+             if key not in ("called_from", "chains")} for s in kept]
 
 
 def steady(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

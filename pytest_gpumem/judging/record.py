@@ -90,18 +90,38 @@ class AllocatedRecord:
 class SiteChange:
     """A peak site that grew (or is new: ``old_mib`` 0) against nproc=1 or the baseline."""
 
-    label: str  # "examples/test_torch_ddp.py:57 _train (all_gather)"
+    label: str  # where it was allocated: "examples/test_torch_ddp.py:57 _train (all_gather)"
     old_mib: float
     new_mib: float
+    callers: tuple[str, ...] = ()  # the user frames above it, innermost first: "train.py:25 train_step"
+    chains: int = 1  # caller chains summed into the site (``callers`` is the largest one's)
 
     @property
     def growth(self) -> float:
         return self.new_mib - self.old_mib
 
     def line(self) -> str:
-        """``+256.0 MiB  examples/test_torch_ddp.py:57 _train (all_gather)``."""
+        """``+256.0 MiB  examples/test_torch_ddp.py:57 _train (all_gather)``: the line that allocated it."""
         new = "" if self.old_mib else "  (new)"
         return f"{self.growth:+.1f} MiB  {self.label}{new}"
+
+    def called_from(self) -> list[str]:
+        """``called from train.py:25 train_step`` per user frame above the allocating line: the
+        caller is often the line that keeps the memory alive (a list that collects each step's output)."""
+        lines = [f"called from {caller}" for caller in self.callers]
+        if lines and self.chains > 1:
+            others = self.chains - 1
+            lines[-1] += f" (and {others} other call chain{'s' if others > 1 else ''})"
+        return lines
+
+    def lines(self) -> list[str]:
+        """:meth:`line`, then its callers indented under the allocating line."""
+        pad = " " * (len(f"{self.growth:+.1f} MiB  ") + 2)
+        return [self.line()] + [pad + text for text in self.called_from()]
+
+    def brief(self) -> str:
+        """One line with the first caller: ``+64.0 MiB  model.py:18 forward  (new), called from train.py:25 step``."""
+        return self.line() + (f", called from {self.callers[0]}" if self.callers else "")
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,15 @@ class TestRecord:
         return next((s for s in self.sizes if s.nproc == nproc), None)
 
     @property
+    def digits(self) -> int:
+        """Decimals of this test's MiB figures wherever they are shown: enough that each failed
+        comparison reads apart (``505.44 > 505.38``), as in its failure text."""
+        from .verdict import DIGITS, digits_to_tell
+
+        return max((digits_to_tell(c.measured_mib, c.limit_mib) for size in self.sizes for c in size.checks
+                    if not c.ok and c.measured_mib is not None and c.limit_mib is not None), default=DIGITS)
+
+    @property
     def verdict(self) -> str:
         """The status, with the cause of a failure: ``failed (crash)``, ``xfailed (limit)``, ``passed``."""
         return f"{self.status} ({self.cause})" if self.cause and self.status in FAILED else self.status
@@ -240,7 +269,8 @@ class TestRecord:
             "notes": list(self.notes),
             "baseline_changes": [[c.nproc, c.old_mib, c.new_mib] for c in self.baseline_changes],
             "changed_since_baseline": list(self.changed_since_baseline),
-            "grown_sites": [{"site": c.label, "old_mib": round(c.old_mib, 3), "new_mib": round(c.new_mib, 3)}
+            "grown_sites": [{"site": c.label, "old_mib": round(c.old_mib, 3), "new_mib": round(c.new_mib, 3),
+                             **({"called_from": list(c.callers), "chains": c.chains} if c.callers else {})}
                             for c in self.grown_sites],
             "grown_against": self.grown_against,
             "sites_summary": self.sites_summary,
@@ -568,9 +598,17 @@ class _Reader:
         for j, item in enumerate(raw.get("grown_sites") or []):
             if (isinstance(item, dict) and isinstance(item.get("site"), str) and _is_number(item.get("old_mib"))
                     and _is_number(item.get("new_mib"))):
-                grown.append(SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"])))
+                chain = item.get("called_from") or []
+                chains = item.get("chains", 1)
+                if (isinstance(chain, list) and all(isinstance(c, str) for c in chain)
+                        and type(chains) is int and chains >= 1):
+                    grown.append(SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"]),
+                                            tuple(chain), chains))
+                else:
+                    self.bad(f"{where}.grown_sites[{j}]", "called_from: a list of strings, chains: an integer >= 1",
+                             item)
             else:
-                self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib}", item)
+                self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib[, called_from, chains]}", item)
         if schema >= 4:
             cause = raw.get("cause")
             if not valid:
@@ -685,10 +723,11 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
 
     spec = test.spec
     checks: dict[int, list[CheckRecord]] = {}
+    digits = verdict.digits if verdict is not None else 1  # the failure text's precision, in every sentence
     for check in verdict.checks if verdict is not None else ():
         checks.setdefault(check.world_size, []).append(
-            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, str(check), check.figure,
-                        check.advisory))
+            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, check.text(digits),
+                        check.figure, check.advisory))
     sizes = []
     for result in test.results:
         n = result.world_size
@@ -733,7 +772,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
             simulated=result.simulated,
         ))
     if messages is None:
-        messages = [str(c) for c in verdict.failures] if verdict is not None else []
+        messages = [c.text(verdict.digits) for c in verdict.failures] if verdict is not None else []
     return TestRecord(
         test=test.test_id,
         status=status,

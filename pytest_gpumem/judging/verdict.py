@@ -137,6 +137,24 @@ class BaselineRef:
     allocated_tolerance: Tolerance | None = None
 
 
+DIGITS = 1  # decimals of a MiB figure, unless a comparison needs more to show why it failed
+MOST_DIGITS = 7  # a MiB to the byte (1 B = 0.00000095 MiB)
+
+
+def digits_to_tell(measured: float, limit: float, least: int = DIGITS) -> int:
+    """The fewest decimals (at least ``least``) at which ``measured`` and ``limit`` read differently:
+    ``505.44 MiB > 505.38 MiB``, never ``505.4 MiB > 505.4 MiB``."""
+    digits = least
+    while digits < MOST_DIGITS and f"{measured:.{digits}f}" == f"{limit:.{digits}f}":
+        digits += 1
+    return digits
+
+
+def mib(value: float, digits: int = DIGITS) -> str:
+    """A MiB figure at the precision of the output it is part of (no unit)."""
+    return f"{value:.{digits}f}"
+
+
 def against_reference(measured_mib: float, reference_mib: float, tolerance: Tolerance) -> tuple[str, float]:
     """The one drift rule, for the baseline gate and for ``gpumem diff``: ``(kind, allowance)``.
 
@@ -163,30 +181,58 @@ class Check:
     measured_mib: float | None
     limit_mib: float | None
     ok: bool
-    detail: str
+    making: str  # how the limit is made; "{limit}" and "{reference}" stand for MiB figures (see ``describe``)
     basis: str = ""  # "predicted by a + b*N from nproc 1,2,4; LOO error 1.2%" for a predicted size
     figure: str = ""  # DEVICE, ALLOCATED or HOST: what was compared with the limit
     advisory: bool = False  # a predicted size whose model could not be validated: shown, never failing
+    reference_mib: float | None = None  # what the limit is made from: peak(1), the stored baseline
 
-    def headline(self) -> str:
+    @property
+    def digits(self) -> int:
+        """Decimals that show why a failed check failed (a passed one reads at the default)."""
+        if self.ok or self.measured_mib is None or self.limit_mib is None:
+            return DIGITS
+        return digits_to_tell(self.measured_mib, self.limit_mib)
+
+    @property
+    def detail(self) -> str:
+        """How the limit is made, its figures at this check's own precision."""
+        return self.describe(self.digits)
+
+    def describe(self, digits: int) -> str:
+        """The limit's making, its figures at ``digits`` decimals."""
+        text = self.making
+        if self.limit_mib is not None:
+            text = text.replace("{limit}", mib(self.limit_mib, digits))
+        if self.reference_mib is not None:
+            text = text.replace("{reference}", mib(self.reference_mib, digits))
+        return text
+
+    def headline(self, digits: int | None = None) -> str:
         """The check in a few words, numbers first, for pytest's one-line summary (cut at the
         terminal's width, 80 columns in most CI logs): ``597.0 MiB > ratio limit 502.0 MiB (rank 0, nproc=2)``."""
+        digits = self.digits if digits is None else digits
         figure = ", allocated" if self.figure == ALLOCATED else ""
         where = f"({self.rank_label}{figure}, nproc={self.world_size})"
         if self.measured_mib is None or self.limit_mib is None:
-            return f"{self.detail} {where}"
+            return f"{self.describe(digits)} {where}"
         what = {"max_mib": "max_mib", "max_ratio": "ratio limit", "baseline": "baseline + tolerance"}.get(
             self.kind, self.kind)
-        return f"{self.measured_mib:.1f} MiB > {what} {self.limit_mib:.1f} MiB {where}"
+        return f"{mib(self.measured_mib, digits)} MiB > {what} {mib(self.limit_mib, digits)} MiB {where}"
 
-    def __str__(self) -> str:
+    def text(self, digits: int | None = None) -> str:
+        """The whole sentence, its figures at ``digits`` decimals (default: enough to tell them apart)."""
+        digits = self.digits if digits is None else digits
         figure = ", allocated" if self.figure == ALLOCATED else ""
         basis = f", {self.basis}" if self.basis else ""
         where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{figure}{basis})"
         if self.measured_mib is None:
-            return f"{where}: {self.detail}"
+            return f"{where}: {self.describe(digits)}"
         relation = "<=" if self.ok else ">"
-        return f"{where}: peak {self.measured_mib:.1f} MiB {relation} {self.detail}"
+        return f"{where}: peak {mib(self.measured_mib, digits)} MiB {relation} {self.describe(digits)}"
+
+    def __str__(self) -> str:
+        return self.text()
 
 
 @dataclass(frozen=True)
@@ -210,6 +256,12 @@ class Verdict:
         """Limits a not-validated prediction would exceed: shown, labelled, never failing the test."""
         return [check for check in self.checks if not check.ok and check.advisory]
 
+    @property
+    def digits(self) -> int:
+        """Decimals of every MiB figure in this verdict's output: enough that each failed comparison
+        shows why it failed, and the same for all, so that one figure reads the same in every line."""
+        return max((check.digits for check in self.checks if not check.ok), default=DIGITS)
+
     def ratio(self, world_size: int) -> float | None:
         """peak(N) / peak(1) in the figure the ratio limit reads (see :func:`ratio_figures`)."""
         by_size = {r.world_size: r for r in self.results}
@@ -223,9 +275,10 @@ class Verdict:
     def summary_line(self) -> str:
         """Every size on one line: ``nproc 1: 512.0 MiB | 2: 530.1 MiB (1.04x)``."""
         parts = []
+        digits = self.digits
         for result in self.results:
-            label, mib = result.gated(self.spec.rank)
-            text = f"{result.world_size}: " + ("n/a" if mib is None else f"{mib:.1f} MiB")
+            label, value = result.gated(self.spec.rank)
+            text = f"{result.world_size}: " + ("n/a" if value is None else f"{mib(value, digits)} MiB")
             ratio = self.ratio(result.world_size)
             if ratio is not None:
                 text += f" ({ratio:.2f}x)"
@@ -245,25 +298,26 @@ class Verdict:
         """The failed checks first, then ``after_failures`` (the sites that grew), then the rest."""
         lines = []
         failures = self.failures
+        digits = self.digits
         if failures:
             first = failures[0]
             others = len(failures) - 1
             more = f"; {others} more limit{'s' if others > 1 else ''} exceeded" if others else ""
-            lines.append(f"gpumem: {first.headline()}{more}")
-            lines.extend(f"  {check}" for check in failures)
+            lines.append(f"gpumem: {first.headline(digits)}{more}")
+            lines.extend(f"  {check.text(digits)}" for check in failures)
         lines.extend(after_failures or [])
         advisories = self.advisories
         if advisories:
             lines.append("  predicted, not validated (shown, not failing: fit on fewer than 3 launched sizes):")
-            lines.extend(f"    would exceed: {check}" for check in advisories)
+            lines.extend(f"    would exceed: {check.text(digits)}" for check in advisories)
         lines.append("  " + self.summary_line())
         for result in self.results:
             if result.prediction is not None:
                 lines.append(f"  nproc={result.world_size} {result.device} MiB {result.prediction.rank_label} "
-                             f"{result.prediction.mib:.1f}, {result.basis} (not launched)")
+                             f"{mib(result.prediction.mib, digits)}, {result.basis} (not launched)")
                 continue
             ranks = ", ".join(
-                f"{r}: {'n/a' if p.mib is None else f'{p.mib:.1f}'}"
+                f"{r}: {'n/a' if p.mib is None else mib(p.mib, digits)}"
                 + (f" on {result.nodes[r]}" if r in result.nodes else "")
                 for r, p in sorted(result.peaks.items())
             )
@@ -277,13 +331,13 @@ class Verdict:
             if result.floor is not None:
                 floor = result.floor
                 split = ", ".join(
-                    f"{r}: {floor.ranks[r]:.1f} + {p.mib - floor.ranks[r]:.1f}"
+                    f"{r}: {mib(floor.ranks[r], digits)} + {mib(p.mib - floor.ranks[r], digits)}"
                     for r, p in sorted(result.peaks.items()) if p.mib is not None and r in floor.ranks)
                 lines.append(f"    floor + job's own MiB per rank {{{split}}} "
                              f"(floor: an empty job, {floor.describe(result.device, result.world_size)}"
                              f"{floor.label})")
             if result.device == "cpu" and result.rss_peaks:
-                rss = ", ".join(f"{r}: {mib:.1f}" for r, mib in sorted(result.rss_peaks.items()))
+                rss = ", ".join(f"{r}: {mib(value, digits)}" for r, value in sorted(result.rss_peaks.items()))
                 lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
@@ -328,9 +382,9 @@ def judge(
         advisory = not result.validated
 
         def check(kind: str, limit: float | None, ok: bool, detail: str, value: float | None,
-                  who: str, figure: str) -> None:
+                  who: str, figure: str, reference: float | None = None) -> None:
             checks.append(Check(kind, n, who, result.device, value, limit, ok, detail, result.basis, figure,
-                                advisory))
+                                advisory, reference))
 
         if mib is None:
             check("measured", None, False, f"no peak could be measured ({result.methods})", None, label, "")
@@ -339,7 +393,7 @@ def judge(
         if spec.max_mib is not None:
             who, value, figure = result.read(spec.rank, spec.figure("max_mib"))
             if value is not None:
-                check("max_mib", spec.max_mib, value <= spec.max_mib, f"max_mib {spec.max_mib:.1f} MiB", value,
+                check("max_mib", spec.max_mib, value <= spec.max_mib, "max_mib {limit} MiB", value,
                       who, figure)
         if spec.max_ratio is not None and n > 1 and one is not None:
             reference, value, figure = ratio_figures(spec, one, result)
@@ -352,9 +406,9 @@ def judge(
                     "max_ratio",
                     limit,
                     value <= limit,
-                    f"{spec.max_ratio:.2f} x {reference:.1f} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
-                    f" = {limit:.1f} MiB ({ratio})",
-                    value, who, figure,
+                    f"{spec.max_ratio:.2f} x {{reference}} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
+                    f" = {{limit}} MiB ({ratio})",
+                    value, who, figure, reference,
                 )
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
@@ -387,7 +441,8 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
         kind, allowance = against_reference(value, stored, tolerance)
         limit = stored + allowance
         check("baseline", limit, kind != "regression",
-              f"baseline {stored:.1f} MiB + {tolerance.explain(stored)} = {limit:.1f} MiB", value, label, figure)
+              f"baseline {{reference}} MiB + {tolerance.explain(stored)} = {{limit}} MiB", value, label, figure,
+              stored)
         if kind == "improved":
             what = "allocator figure" if figure == ALLOCATED else "peak"
             notes.append(

@@ -49,13 +49,13 @@ def delta(new: float | None, old: float | None) -> tuple[float, float | None] | 
     return new - old, ((new - old) / old * 100.0 if old else None)
 
 
-def format_delta(change: tuple[float, float | None] | None) -> str:
+def format_delta(change: tuple[float, float | None] | None, digits: int = 1) -> str:
     """``+12.3 MiB (+2.6%)``; ``-`` when there is nothing to compare."""
     if change is None:
         return "-"
     mib, pct = change
-    mib, pct = round(mib, 1) + 0.0, None if pct is None else round(pct, 1) + 0.0  # no "-0.0": it reads as a drop
-    return f"{mib:+.1f} MiB" + ("" if pct is None else f" ({pct:+.1f}%)")
+    mib, pct = round(mib, digits) + 0.0, None if pct is None else round(pct, 1) + 0.0  # no "-0.0": it reads as a drop
+    return f"{mib:+.{digits}f} MiB" + ("" if pct is None else f" ({pct:+.1f}%)")
 
 
 def _ordered(records: Iterable[TestRecord]) -> list[TestRecord]:
@@ -99,9 +99,10 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
         empty = " - |" if with_floor else ""
         return [f"| {test} | {nproc} | - |{empty} - | - | - | {_verdict_cell(record, record.verdict)} |"]
     rows = []
+    digits = record.digits  # as many decimals as its failure text shows
     for size in record.sizes:
         verdict = record.size_verdict(size)
-        peak = _mib(size.gated_mib)
+        peak = _mib(size.gated_mib, digits)
         if size.gated_mib is not None:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
                          if size.predicted else "") + (", **simulated world**" if size.simulated else "")
@@ -110,9 +111,10 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x"
         nproc = f"{size.nproc}" + ("\\*" if size.reused else "")
-        change = format_delta(delta(size.gated_mib, size.baseline_mib))
+        change = format_delta(delta(size.gated_mib, size.baseline_mib), digits)
         floor = [floor_split(size) or "-"] if with_floor else []
-        cells = [test, nproc, peak, *floor, _mib(size.baseline_mib), change, ratio, _verdict_cell(record, verdict)]
+        cells = [test, nproc, peak, *floor, _mib(size.baseline_mib, digits), change, ratio,
+                 _verdict_cell(record, verdict)]
         rows.append("| " + " | ".join(_cell(c) if i else c for i, c in enumerate(cells)) + " |")
     return rows
 
@@ -138,7 +140,7 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
             lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
             if rec.grown_sites:  # the line that holds the memory, top 3
                 lines.append(f"  - peak sites that grew since {rec.grown_against}: "
-                             + ", ".join(f"`{_cell(c.line())}`" for c in rec.grown_sites[:3]))
+                             + ", ".join(f"`{_cell(c.brief())}`" for c in rec.grown_sites[:3]))
         if lines:
             out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
     return out

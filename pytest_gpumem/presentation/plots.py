@@ -1,5 +1,11 @@
 """Memory-over-time plots, one PNG per test: each rank's samples and the limits they are judged by.
 
+Read at a glance: the y-axis is scaled to the figures that matter (the gated curves, the baseline,
+baseline + tolerance, the limits near them); a cap far above them is an arrow at the top edge, not a
+line the axis stretches to, and resident memory (information only) is cut at the top. Ranks are told
+apart by line style (a rank whose curve lies on the gated rank's says so), the legend sits outside
+the axes, and where the gated curve ends before the others a marker says why.
+
 matplotlib is optional (the ``plots`` extra): imported only when a plot is asked for, and drawn on
 an Agg canvas of its own, so the user's pyplot state and backend are never touched.
 """
@@ -95,6 +101,31 @@ def _limits(record: TestRecord, size: SizeRecord) -> list[tuple[float, str, dict
     return lines
 
 
+FAR = 1.5  # a limit above this many times the figures that matter is marked at the top edge, not scaled to
+HEADROOM = 1.08  # the y-axis ends this far above the highest figure that matters
+_RANK_STYLES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (4, 1.5, 1, 1.5)), (0, (8, 2, 1, 2)))
+
+
+def _rank_style(index: int) -> Any:
+    """A line style per rank (by its place in the panel): coinciding curves stay told apart."""
+    return _RANK_STYLES[index % len(_RANK_STYLES)]
+
+
+def y_scale(values: Iterable[float], limits: Iterable[float]) -> tuple[float | None, list[float]]:
+    """(top of the y-axis, the limits above it) for the figures that matter (``values``: the gated
+    curves, the baselines, baseline + tolerance) and the other limits: a limit within :data:`FAR`
+    times the highest figure is scaled to, a farther one is left above the top and marked there.
+    None: nothing to scale to (matplotlib's own scaling stands)."""
+    values = [v for v in values if v is not None]
+    limits = list(limits)
+    if not values:
+        return None, []
+    top = max(values)
+    near = [mib for mib in limits if mib <= FAR * top]
+    top = max([top, *near]) * HEADROOM
+    return (top if top > 0 else None), sorted(mib for mib in limits if top > 0 and mib > top)
+
+
 def _size_title(record: TestRecord, size: SizeRecord) -> str:
     verdict = "FAIL" if size.failed else "ok"
     ratio = "" if size.ratio is None else f", {size.ratio:.2f}x nproc=1"
@@ -140,8 +171,13 @@ def _draw_predicted(ax: Any, record: TestRecord, size: SizeRecord) -> None:
     ax.set_xlabel("nproc")
     ax.set_ylabel("MiB")
     ax.grid(True, alpha=0.3)
+    _legend(ax)
+
+
+def _legend(ax: Any) -> None:
+    """Outside the axes, to the right: never over a line."""
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="lower right", ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.05, 1.0), borderaxespad=0.0)
 
 
 def _readers(size: SizeRecord, figure: str) -> list[str]:
@@ -170,39 +206,110 @@ def _curves(size: SizeRecord) -> list[tuple[str, str, dict[int, tuple[list[float
     return curves
 
 
+_ENDS = {
+    "host": "gated curve ends: rank {rank}'s exit report stops memray\n(RSS is sampled on until the process is gone)",
+    "allocated": "allocator curve ends: rank {rank}'s test body ended\n(NVML is sampled on until the process is gone)",
+}
+
+
 def _draw_size(ax: Any, record: TestRecord, size: SizeRecord) -> None:
     if size.predicted:
         _draw_predicted(ax, record, size)
         return
     drawn = False
-    for figure, what, series, peak in _curves(size):
+    matters: list[float] = []  # the figures the y-axis is scaled to
+    rss: list[tuple[Any, float]] = []  # (line, highest point) of the information-only curves
+    ends: dict[str, float] = {}  # figure -> where the gated rank's curve ends
+    gated_peaks: dict[str, float] = {}
+    curves = _curves(size)
+    for figure, what, series, peak in curves:
         readers = _readers(size, figure) if figure != "rss" else []
         gated = f"gated: {', '.join(readers)}" if readers else ("not gated" if figure == "rss" else "")
+        highest = {rank: max(ys) for rank, (xs, ys) in series.items() if ys}
+        reference = highest.get(size.gated_rank) if size.gated_rank is not None else None
         for i, (rank, (xs, ys)) in enumerate(series.items()):
             is_gated_rank = rank == size.gated_rank
             if figure == "rss":  # information, drawn under the rest
-                ax.plot(xs, ys, color="0.7", linewidth=0.8, linestyle="--", zorder=1,
-                        label=f"rank {rank} {what}" if i == 0 or is_gated_rank else None)
+                line, = ax.plot(xs, ys, color="0.7", linewidth=0.8, linestyle="--", zorder=1,
+                                label=f"rank {rank} {what}" if i == 0 or is_gated_rank else None)
+                rss.append((line, max(ys) if ys else 0.0))
+                if is_gated_rank and xs:
+                    ends["rss"] = xs[-1]
                 drawn = True
                 continue
+            matters.extend(ys)
             color = _rank_color(i, len(series)) if figure != "allocated" else "tab:purple"
             label = f"rank {rank} {what}" + (f" ({gated})" if gated and is_gated_rank else "")
-            ax.plot(xs, ys, label=label, color=color, linewidth=1.8 if is_gated_rank else 0.9,
-                    zorder=3 if is_gated_rank else 2, linestyle="-" if figure != "allocated" else "-.")
+            if not is_gated_rank and reference is not None and rank in highest:
+                gap = abs(highest[rank] - reference)
+                if gap <= max(1.0, 0.005 * reference):  # drawn over the gated one, dashed: it would hide
+                    label += f" (peak = rank {size.gated_rank}'s within {max(gap, 0.05):.1f} MiB)"
+            style = _rank_style(i) if figure != "allocated" else "-."
+            ax.plot(xs, ys, label=label, color=color, linewidth=1.8 if is_gated_rank else 1.0,
+                    zorder=3 if is_gated_rank else 3.5, linestyle=style)
             drawn = True
+            if is_gated_rank and xs:
+                ends[figure] = xs[-1]
             if is_gated_rank and peak is not None and ys:
+                gated_peaks[figure] = peak
                 at = xs[max(range(len(ys)), key=ys.__getitem__)]
                 ax.plot([at], [peak], marker="v", color="black", markersize=7, linestyle="none", zorder=4,
                         label=f"peak {peak:.1f} MiB ({_FIGURE_NAME.get(figure, figure)}, rank {rank})")
     if not drawn:
         ax.text(0.5, 0.5, "no samples recorded", transform=ax.transAxes, ha="center", va="center", color="0.4")
-    for mib, label, style in _limits(record, size):
+    limits = _limits(record, size)
+    for mib, label, style in limits:
         ax.axhline(mib, label=label, **style)
+    # The baselines and baseline + tolerance always matter; the other limits only when near.
+    matters += [mib for mib, label, _ in limits if label.startswith(("baseline", "baseline + tolerance"))]
+    matters += list(gated_peaks.values())
+    top, far = y_scale(matters, [mib for mib, label, _ in limits if not label.startswith("baseline")])
+    if top is not None:
+        ax.set_ylim(0, top)
+        _mark_far(ax, [(mib, label, style) for mib, label, style in limits if mib in far])
+        _tag_limits(ax, [(mib, style) for mib, _, style in limits if mib <= top], top)
+        for line, tallest in rss:
+            if tallest > top and line.get_label() and not str(line.get_label()).startswith("_"):
+                line.set_label(f"{line.get_label()}; cut at the top")
+    _mark_ends(ax, size, ends, curves)
     ax.set_title(_size_title(record, size), fontsize=9, loc="left")
     ax.set_ylabel("MiB")
     ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    _legend(ax)
+
+
+def _tag_limits(ax: Any, limits: list[tuple[float, dict[str, Any]]], top: float) -> None:
+    """Each horizontal line's MiB at the right edge, nudged apart where lines lie close (a baseline
+    and baseline + tolerance 16 MiB apart read as two numbers, not one thick line)."""
+    placed = float("-inf")
+    for mib, style in sorted(limits, key=lambda item: item[0]):
+        y = max(mib, placed + 0.05 * top)
+        placed = y
+        ax.text(1.005, y, f"{mib:.0f}", transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=7,
+                color=style.get("color", "0.3"), clip_on=False)
+
+
+def _mark_far(ax: Any, far: list[tuple[float, str, dict[str, Any]]]) -> None:
+    """Limits far above what is drawn: named at the top edge, right of the title (an upward
+    triangle: above the scale), not a line the axis stretches to."""
+    for k, (mib, label, style) in enumerate(sorted(far, key=lambda item: item[0], reverse=True)):
+        ax.text(1.0, 1.01 + 0.09 * k, f"\u25b2 {label} (above the scale)", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, color=style.get("color", "0.3"), clip_on=False)
+
+
+def _mark_ends(ax: Any, size: SizeRecord, ends: dict[str, float], curves: list[Any]) -> None:
+    """Where the gated rank's gated curve ends well before the sampled one (memray stops at the exit
+    report, torch's history at the body's end; RSS and NVML are sampled until the process is gone),
+    a vertical marker says so."""
+    sampled = ends.get("rss" if size.device == "cpu" else "device")
+    figure = "host" if size.device == "cpu" else "allocated"
+    end = ends.get(figure)
+    xs = [x for _, _, series, _ in curves for xs_, _ in series.values() for x in xs_[:1] + xs_[-1:]]
+    if end is None or sampled is None or not xs:
+        return
+    if sampled - end > 0.03 * (max(xs) - min(xs)):
+        ax.axvline(end, color="0.45", linestyle=":", linewidth=1.0, zorder=1,
+                   label=_ENDS[figure].format(rank=size.gated_rank))
 
 
 def plot(record: TestRecord, path: Path) -> Any:
@@ -211,7 +318,7 @@ def plot(record: TestRecord, path: Path) -> Any:
     Figure, FigureCanvasAgg = _matplotlib()
     sizes = list(record.sizes)
     panels = max(1, len(sizes))
-    fig = Figure(figsize=(10, 1.2 + 2.8 * panels))
+    fig = Figure(figsize=(13, 1.2 + 2.8 * panels), layout="constrained")  # room for the legends outside
     FigureCanvasAgg(fig)
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
     for ax, size in zip(axes, sizes):
@@ -222,7 +329,6 @@ def plot(record: TestRecord, path: Path) -> Any:
         axes[-1].set_xlabel("seconds since launch")
     title = "\n".join(textwrap.wrap(record.test, 110))
     fig.suptitle(f"{title}\nverdict: {record.verdict}", fontsize=10)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)

@@ -17,8 +17,8 @@ SECTIONS = (
 )
 
 
-def _mib(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _mib(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _resident(size: SizeRecord, ranks: Iterable[int]) -> bool:
@@ -52,6 +52,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         if not rec.sizes:
             rows.append((rec.test, ",".join(map(str, rec.nproc)), "-", *(["-"] if with_floor else []),
                          "-", "-", "-", "-", rec.verdict))
+        digits = rec.digits  # as many decimals as its failure text shows
         for size in rec.sizes:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             predicted += ", simulated" if size.simulated else ""
@@ -62,12 +63,12 @@ def table(records: Iterable[TestRecord]) -> list[str]:
             rows.append((
                 rec.test,
                 str(size.nproc) + ("*" if size.reused else ""),
-                f"{_mib(size.gated_mib)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
+                f"{_mib(size.gated_mib, digits)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
-                _mib(size.others_max_mib) + (" VmHWM" if others_rss else ""),
+                _mib(size.others_max_mib, digits) + (" VmHWM" if others_rss else ""),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
                                                                        else ""),
-                _mib(size.baseline_mib),
+                _mib(size.baseline_mib, digits),
                 size.device,
                 rec.size_verdict(size),
             ))

@@ -8,6 +8,13 @@ it (``examples/test_torch_ddp.py:57 _train (all_gather)``); stacks with no user 
 framework's internals, and a stack with no Python frame at all (a framework's worker thread) is
 named as native. Sites of one rank are grouped by that key and summed.
 
+The line that allocates is often not the line that keeps the memory alive: ``return
+self.head(x)`` in a model allocates the logits, the caller that appends them to a list keeps them.
+So each site also carries the user frames above it (``called from``, innermost first, up to
+:data:`CALLERS`): the chain that holds most of the site's bytes, and how many chains it merges.
+The chain is shown, never part of a site's identity (its key): a site compares the same whether or
+not its callers were captured, and a baseline stores no chain.
+
 Plain functions over plain data (frames are ``(function, filename, line)``, innermost first), so
 the folding is tested without either capture.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -29,6 +36,7 @@ SMALL = "(small allocations)"  # ``where`` of the records under SMALL_RECORD byt
 SMALL_RECORD = 4096  # a capture's records below this are not resolved to a stack: 90% of them, ~5% of the bytes
 TOP_SITES = 12  # kept per rank in a report; a baseline keeps fewer (judging.sites.STORED)
 MIN_SITE_MIB = 0.5  # smaller sites are summed into the rest: below run-to-run noise
+CALLERS = 3  # user frames kept above a site's line: the caller that keeps the memory is usually the first
 
 # Wrappers every framework call goes through: the detail names the call behind them.
 _GENERIC = frozenset({"wrapper", "_wrapped_call_impl", "_call_impl", "inner", "decorate_context", "__call__",
@@ -46,9 +54,14 @@ class Site:
     mib: float = 0.0
     count: int = 1
     internal: bool = False  # no user frame: the framework's own (summarised, not listed)
+    # Shown, never compared: the user frames above ``where``, innermost first ("train.py:25 train_step"),
+    # of the chain that holds most of the site's bytes, and how many distinct chains were summed into it.
+    callers: tuple[str, ...] = field(default=(), compare=False)
+    chains: int = field(default=1, compare=False)
 
     @property
     def key(self) -> tuple[str, str, str]:
+        """The site's identity: where it was allocated (its callers are shown, not compared)."""
         return (self.where, self.function, self.detail)
 
     def label(self) -> str:
@@ -56,9 +69,22 @@ class Site:
         text = f"{self.where} {self.function}".strip()
         return f"{text} ({self.detail})" if self.detail else text
 
+    def called_from(self) -> list[str]:
+        """``called from train.py:25 train_step`` lines, innermost first, and the chains left out."""
+        lines = [f"called from {caller}" for caller in self.callers]
+        if lines and self.chains > 1:
+            others = self.chains - 1
+            lines[-1] += f" (and {others} other call chain{'s' if others > 1 else ''})"
+        return lines
+
     def as_dict(self) -> dict[str, Any]:
-        return {"where": self.where, "function": self.function, "detail": self.detail,
-                "mib": round(self.mib, 3), "count": self.count, "internal": self.internal}
+        """The site as a rank's exit report and a JSON report keep it (``called_from`` where known)."""
+        out: dict[str, Any] = {"where": self.where, "function": self.function, "detail": self.detail,
+                               "mib": round(self.mib, 3), "count": self.count, "internal": self.internal}
+        if self.callers:
+            out["called_from"] = list(self.callers)
+            out["chains"] = self.chains
+        return out
 
 
 @lru_cache(maxsize=1)
@@ -106,11 +132,29 @@ def fold(stack: Sequence[Frame], root: Path | None = None, thread: str = "") -> 
         if is_internal(filename):
             continue
         called = [f for f, _, _ in reversed(stack[:i]) if f not in _GENERIC]  # outermost first
+        above = i + 1
         if function in _COMPREHENSIONS and i + 1 < len(stack) and stack[i + 1][1] == filename:
             function = stack[i + 1][0]  # Python < 3.12 gives a comprehension its own frame
-        return Site(f"{short_path(filename, root)}:{line}", function, called[0] if called else "")
+            above = i + 2
+        return Site(f"{short_path(filename, root)}:{line}", function, called[0] if called else "",
+                    callers=callers(stack[above:], root))
     function, filename, line = stack[0]
     return Site(f"{short_path(filename, root)}:{line}", function, internal=True)
+
+
+def callers(stack: Sequence[Frame], root: Path | None = None) -> tuple[str, ...]:
+    """The user frames of ``stack`` (innermost first), up to :data:`CALLERS`, as ``file:line function``
+    (a comprehension's own frame is folded into its function's, as in :func:`fold`)."""
+    out: list[str] = []
+    for j, (function, filename, line) in enumerate(stack):
+        if is_internal(filename):
+            continue
+        if function in _COMPREHENSIONS and j + 1 < len(stack) and stack[j + 1][1] == filename:
+            continue  # the enclosing function's frame comes next, at the line that runs the comprehension
+        out.append(f"{short_path(filename, root)}:{line} {function}")
+        if len(out) == CALLERS:
+            break
+    return tuple(out)
 
 
 def group(allocations: Iterable[tuple[Sequence[Frame] | None, int, int, str]], root: Path | None = None,
@@ -123,6 +167,7 @@ def group(allocations: Iterable[tuple[Sequence[Frame] | None, int, int, str]], r
     difference between the peak and the sites' total).
     """
     sites: dict[tuple[str, str, str], Site] = {}
+    chains: dict[tuple[str, str, str], dict[tuple[str, ...], int]] = {}  # site -> caller chain -> bytes
     for stack, nbytes, count, thread in allocations:
         site = fold(stack, root, thread) if stack is not None else Site(SMALL, "", "", internal=True)
         if site.internal and site.where != SMALL:  # one line for all of the framework's own, one for native code
@@ -132,6 +177,12 @@ def group(allocations: Iterable[tuple[Sequence[Frame] | None, int, int, str]], r
         if old is not None:
             mib, n = mib + old.mib, n + old.count
         sites[site.key] = Site(site.where, site.function, site.detail, mib, n, site.internal)
+        if site.callers:
+            by_chain = chains.setdefault(site.key, {})
+            by_chain[site.callers] = by_chain.get(site.callers, 0) + nbytes
+    for key, by_chain in chains.items():  # the chain that holds most of the site's bytes is shown
+        largest = min(by_chain, key=lambda chain: (-by_chain[chain], chain))
+        sites[key] = replace(sites[key], callers=largest, chains=len(by_chain))
     ranked = sorted((s for s in sites.values() if s.mib >= MIN_SITE_MIB), key=lambda s: (-s.mib, s.key))
     users = [s for s in ranked if not s.internal][:top]
     return users + [s for s in ranked if s.internal]
@@ -142,8 +193,11 @@ def from_dicts(raw: Iterable[Mapping[str, Any]]) -> list[Site]:
     out = []
     for item in raw:
         try:
+            chain = item.get("called_from") or ()
             out.append(Site(str(item["where"]), str(item.get("function", "")), str(item.get("detail", "")),
-                            float(item["mib"]), int(item.get("count", 1)), bool(item.get("internal", False))))
+                            float(item["mib"]), int(item.get("count", 1)), bool(item.get("internal", False)),
+                            tuple(str(c) for c in chain) if isinstance(chain, (list, tuple)) else (),
+                            int(item.get("chains", 1))))
         except (KeyError, TypeError, ValueError):
             continue
     return out
