@@ -38,7 +38,7 @@ from .failures import RankOutcome
 from .floor import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
 from .gpus import GpuPlan, GpuPlanner
-from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
+from .launch import DEFAULT_FAIL_FAST_GRACE_S, Launch, LaunchRequest, LaunchResult, describe_returncode
 from .workdirs import make_workdir, sweep_orphans
 
 
@@ -84,6 +84,7 @@ class TestRun:
 
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
+PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before any test body started
 
 
 class Runner:
@@ -108,6 +109,7 @@ class Runner:
         slurm_options: slurm.SlurmOptions | None = None,
         start: str = "auto",
         start_refusal: str | None = None,
+        fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -131,6 +133,7 @@ class Runner:
         self._floors: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
         self.start = start  # auto | fork | exec: how a direct launch starts its ranks (see _fork_refusal)
         self.start_refusal = start_refusal  # the session's reason never to fork (pytest's settings)
+        self.fail_fast_grace = fail_fast_grace  # seconds the other ranks get once one failed
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -311,15 +314,28 @@ class Runner:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        try:
-            workdir = self._new_workdir(spec)
-        except OSError as exc:
-            return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
-                           outcomes={}, problems=[str(exc)])
-        try:  # the folder goes whatever happens, Ctrl-C included
-            return self._launch_in(test_id, spec, nproc, plan, workdir, history)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        lost: list[str] = []
+        while True:
+            try:
+                workdir = self._new_workdir(spec)
+            except OSError as exc:
+                return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                               outcomes={}, problems=[str(exc)])
+            try:  # the folder goes whatever happens, Ctrl-C included
+                run = self._launch_in(test_id, spec, nproc, plan, workdir, history)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
+                break
+            # Another program took the rendezvous port before any rank's test body started: the same
+            # launch again on another port, with fresh samplers (the GPUs were released with it).
+            lost.append(f"rendezvous port {run.launch.port} was taken by another program before any rank's "
+                        f"test body started ({run.launch.port_lost}): relaunched on another port")
+            plan = self._plan(spec, nproc, test_id)
+            if plan.skip_reason is not None or plan.error is not None:
+                break
+        run.notes = lost + run.notes
+        return run
 
     def _launch_in(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, workdir: Path,
                    history: bool = False) -> SizeRun:
@@ -355,6 +371,7 @@ class Runner:
             timeout=spec.timeout,
             nnodes=spec.nnodes,
             start="exec" if refused else "fork",
+            fail_fast_grace=self.fail_fast_grace,
         )
         started_at = time.time()  # the ranks' own curves are in epoch seconds
         for sampler in samplers:
@@ -371,6 +388,8 @@ class Runner:
         if why and self.start == "fork":  # asked for: said in the report (auto falls back quietly; the record says)
             run.notes.append(f"ranks exec'd, not forked: {why}")
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        if launch.port_note:
+            run.notes.append(launch.port_note)
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
 
@@ -482,7 +501,7 @@ class Runner:
     def _problems(self, spec: Spec, run: SizeRun, workdir: Path) -> list[str]:
         return failures.problems(run.launch, run.outcomes, failures.LaunchContext(
             marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir, timeout=spec.timeout,
-            body_mode=spec.body_mode))
+            body_mode=spec.body_mode, fail_fast_grace=self.fail_fast_grace))
 
 
 def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started_at: float) -> tuple[
