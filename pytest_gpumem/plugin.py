@@ -245,6 +245,7 @@ class ParentSide:
                 slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
                 start=resolved.start,
                 start_refusal=self._fork_refusal(),
+                fail_fast_grace=resolved.fail_fast_grace,
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
         return self._machinery
@@ -436,6 +437,9 @@ class RankSide:
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
         """The body's own GPU allocator figures: peaks reset where it starts, read where it ends
         (with --gpumem-torch-snapshot, the allocator's history is dumped there too)."""
+        from .rankside import protocol
+
+        protocol.write_body_started(self.workdir, self.rank)  # from here on a relaunch would run user code twice
         watch = allocator()
         if watch is not None:
             watch.body_started()
@@ -443,8 +447,6 @@ class RankSide:
             return (yield)
         finally:
             if watch is not None:
-                from .rankside import protocol
-
                 dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
                 watch.body_ended(dump)
 
@@ -453,10 +455,18 @@ class RankSide:
 
         if self.outcome is None or self.outcome.outcome != "failed":
             self.outcome = protocol.RankResult(outcome, text, error)
+            if outcome == "failed":
+                # Said at once, before the fixtures' teardown: a teardown that waits in a collective
+                # for peers that never come (dist.barrier() after a failed body) would otherwise hold
+                # the failure back until the launch's timeout. The first failure is final; the
+                # launch ends the ranks after its fail-fast grace (docs/reliability.md).
+                protocol.write_result(self.workdir, self.rank, self.outcome)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         from .rankside import protocol  # the rank's files: loaded inside a rank only
 
+        if self.outcome is not None and self.outcome.outcome == "failed":
+            return  # written when it happened (_set)
         outcome = self.outcome or protocol.RankResult(
             "failed", f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
                       "was the test id collected the same way inside the rank?")

@@ -305,6 +305,112 @@ def test_fault():{body}
     assert processes_tagged(launch_tag) == []
 
 
+# --- Fail fast: a rank's exception is not lost behind its fixture's teardown (issue 27) -----------
+# The newcomer's case: the README's process_group fixture (yield, then dist.barrier() and
+# destroy_process_group()); rank 1 raises while rank 0 goes into all_reduce. Rank 1's teardown waits
+# in the barrier for a peer that waits in all_reduce. Before the rank reported its failure ahead of
+# its teardown, this ran into the launch's 600 s timeout and read "rank 0 of 2 hung" (the exception
+# lost). The marker keeps the default timeout on purpose: the launch must end on the failure.
+
+NEWCOMER_BODY = '''
+
+@pytest.mark.gpumem(nproc=2{launcher})
+def test_shard(process_group):
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 lost its shard")
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)  # rank 0 waits here for a peer that raised
+
+
+@pytest.mark.gpumem(nproc=2{launcher})
+def test_next(process_group):
+    dist.all_reduce(torch.ones(4))
+'''
+
+NEWCOMER_LAUNCHES = {  # how the ranks start: (marker launcher argument, extra command-line options)
+    "direct-exec": ("", ["--gpumem-start=exec"]),
+    "direct-fork": ("", ["--gpumem-start=fork", "--gpumem-track-host=off"]),  # tracking would refuse a fork
+    "torchrun": (', launcher="torchrun"', []),
+}
+
+
+def readme_fixture(name: str) -> str:
+    """The README's example ``name`` up to its first marked test: its imports and fixtures, as written."""
+    from test_readme import readme_example
+
+    text = readme_example(name)
+    assert "def process_group" in text, "the README's example no longer has the process_group fixture"
+    return text.split("@pytest.mark.gpumem", 1)[0]
+
+
+@pytest.mark.torch
+@needs_torch
+@pytest.mark.parametrize("start", sorted(NEWCOMER_LAUNCHES))
+def test_a_rank_exception_behind_a_teardown_barrier_fails_fast_with_that_exception(
+        pytester, launch_tag, monkeypatch, start):
+    launcher, options = NEWCOMER_LAUNCHES[start]
+    pytester.makepyfile(test_newcomer=readme_fixture("torch") + NEWCOMER_BODY.format(launcher=launcher))
+    monkeypatch.setenv("COLUMNS", "200")  # pytest trims the summary line to the terminal's width
+    result = run_subprocess(pytester, "-rf", "--durations=0", "--durations-min=0", *options)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    section = out[out.index("_ test_shard _"):].splitlines()
+    assert section[1] == "rank 1 of 2 failed: RuntimeError: rank 1 lost its shard", "\n".join(section[:30])
+    assert "E           RuntimeError: rank 1 lost its shard" in section[:15], "the traceback comes first"
+    result.stdout.fnmatch_lines([
+        "rank 1 of 2 had not ended 2 s after the first failure (a fixture's teardown waiting in a collective "
+        "for peers, say): stopped by pytest-gpumem (SIGTERM*)",
+        "--- rank 1 Python stack when stopped ---", "*in barrier", "*in process_group",
+        "rank 0 of 2: stopped by pytest-gpumem after rank 1 failed (SIGTERM*)",
+        "--- rank 0 Python stack when stopped ---", "*in all_reduce", "*in test_shard",
+    ])
+    assert "hung" not in out and "timed out" not in out
+    assert "FAILED test_newcomer.py::test_shard - rank 1 of 2 failed: RuntimeError: rank 1 lost its shard" in out
+    (took,) = [float(line.split("s ", 1)[0]) for line in out.splitlines()
+               if line.endswith(" call     test_newcomer.py::test_shard")]
+    assert took < 60, f"{took:.1f} s for a failure that is known in the first seconds (the timeout is 600 s)"
+    assert processes_tagged(launch_tag) == []
+
+
+ONEFLOW_NEWCOMER = '''
+import oneflow as flow
+import pytest
+
+
+@pytest.fixture
+def synchronised():
+    """The README fixture's shape under OneFlow: every rank meets the others once more at teardown."""
+    yield
+    flow.comm.barrier()
+
+
+@pytest.mark.gpumem(nproc=2, launcher="oneflow")
+def test_shard(synchronised):
+    if flow.env.get_rank() == 1:
+        raise RuntimeError("rank 1 lost its shard")
+    placement = flow.placement("cpu", ranks=[0, 1])
+    local = flow.ones(4, 4).to_global(placement=placement, sbp=flow.sbp.split(0))
+    local.to_global(sbp=flow.sbp.broadcast).numpy()  # rank 0 waits here for a peer that raised
+'''
+
+
+@pytest.mark.oneflow
+@needs_oneflow
+def test_a_rank_exception_behind_a_teardown_barrier_fails_fast_under_oneflows_launcher(pytester, launch_tag):
+    pytester.makepyfile(test_newcomer=ONEFLOW_NEWCOMER)
+    result = run_subprocess(pytester, "--durations=0", "--durations-min=0")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    section = out[out.index("_ test_shard _"):].splitlines()
+    assert section[1] == "rank 1 of 2 failed: RuntimeError: rank 1 lost its shard", "\n".join(section[:30])
+    assert "E           RuntimeError: rank 1 lost its shard" in section[:15], "the traceback comes first"
+    assert "hung" not in out and "timed out" not in out
+    (took,) = [float(line.split("s ", 1)[0]) for line in out.splitlines()
+               if line.endswith(" call     test_newcomer.py::test_shard")]
+    assert took < 60, f"{took:.1f} s for a failure that is known in the first seconds (the timeout is 600 s)"
+    assert processes_tagged(launch_tag) == []
+
+
 # --- 2, 5 under OneFlow's launcher (each OneFlow launch costs seconds: two cases only) -------------
 
 ONEFLOW_FAULTS = {
@@ -472,6 +578,49 @@ def test_port_taken():
     result.stdout.fnmatch_lines(["*rank 0 of 2 failed: *DistNetworkError*", "*EADDRINUSE*",
                                  "*rank 1 of 2: stopped by pytest-gpumem after rank 0 failed (SIGTERM)*"])
     assert "timed out" not in result.stdout.str()
+    assert processes_tagged(launch_tag) == [], "the squatter started by the rank is gone too"
+
+
+@pytest.mark.torch
+@needs_torch
+def test_rendezvous_port_taken_before_any_body_started_is_relaunched_on_another_port(pytester, launch_tag,
+                                                                                     monkeypatch, tmp_path):
+    """Another program binds MASTER_PORT while the fixtures set up (no test body has run): the launch is
+    run again on another port, and each rank's body runs once."""
+    seen = tmp_path / "seen"
+    monkeypatch.setenv("SEEN", str(seen))
+    pytester.makepyfile(test_port=HELPERS + f'''
+SQUATTER = {SQUATTER!r}
+
+
+@pytest.fixture
+def process_group():
+    import torch.distributed as dist  # in the ranks only: torch cannot be imported twice in this process
+
+    squat = os.environ["RANK"] == "0" and not os.path.exists(os.environ["SEEN"] + ".squatted")
+    if squat:  # the first launch only: a program takes the port before rank 0 binds it
+        open(os.environ["SEEN"] + ".squatted", "w").close()
+        other = subprocess.Popen([sys.executable, "-c", SQUATTER, os.environ["MASTER_PORT"]], stdout=subprocess.PIPE)
+        assert other.stdout.readline() == b"listening\\n"
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(f"setup {{os.environ['RANK']}} {{os.environ['MASTER_PORT']}}\\n")
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=2, timeout=60)
+def test_port_taken(process_group):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(f"body {{os.environ['RANK']}} {{os.environ['MASTER_PORT']}}\\n")
+''')
+    result = run_inline(pytester)
+    result.assert_outcomes(passed=1)
+    lines = [line.split() for line in seen.read_text().splitlines()]
+    bodies = [line for line in lines if line[0] == "body"]
+    assert sorted(rank for _, rank, _ in bodies) == ["0", "1"], lines
+    first_port = lines[0][2]
+    assert all(port != first_port for _, _, port in bodies), "the relaunch has another port"
     assert processes_tagged(launch_tag) == [], "the squatter started by the rank is gone too"
 
 
@@ -715,6 +864,7 @@ BAD_VALUES = {
     "predict": "maybe",
     "track_host": "sometimes",
     "start": "spawn",
+    "fail_fast_grace": "-1",
 }
 # Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}

@@ -143,6 +143,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", "--gpumem-timeout", "GPUMEM_TIMEOUT", "gpumem_timeout",
            _positive_float, "600", "a number of seconds > 0",
            "default seconds for a whole launch before every rank is killed"),
+    Option("fail_fast_grace", "--gpumem-fail-fast-grace", "GPUMEM_FAIL_FAST_GRACE", "gpumem_fail_fast_grace",
+           _non_negative_float, "2", "a number of seconds >= 0",
+           "seconds the other ranks get to end or report their own failure once a rank's test failed "
+           "(reported before its fixtures' teardown) or a rank died; then the launch is ended"),
     Option("max_ratio", "--gpumem-max-ratio", "GPUMEM_MAX_RATIO", "gpumem_max_ratio",
            _ratio, "none", "a number > 0, or none",
            "default cap on peak(N)/peak(1) of the gated rank (none: no ratio check)"),
@@ -314,6 +318,7 @@ class Settings:
     start: str = "auto"
     simulate: str = "auto"
     unlaunched: str = "auto"
+    fail_fast_grace: float = 2.0
 
     def defaults(self) -> Defaults:
         return Defaults(

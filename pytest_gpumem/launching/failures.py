@@ -2,7 +2,8 @@
 
 The first rank that failed comes first (its exception, its exit status or signal, or its stack when
 it hung), then the other ranks that failed on their own, in the order they did; ranks the plugin
-itself ended (fail fast) come last, labelled as such, never as failures of their own. The first
+itself ended (fail fast) come last, labelled as such, never as failures of their own, with where
+each was when it was stopped. The first
 line is what pytest's short summary shows: it names the rank and its error.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .launch import LaunchResult
+from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
@@ -54,6 +55,7 @@ class LaunchContext:
     timeout: float
     body_mode: bool
     python: str = sys.executable
+    fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S
 
 
 def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: LaunchContext) -> list[str]:
@@ -74,6 +76,10 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: Lau
         when = min(launch.failed_at.get(rank, math.inf), launch.ended_at.get(rank, math.inf))
         text, used_launcher_log = _failed(launch, rank, outcome, ctx, shown_launcher_log)
         shown_launcher_log |= used_launcher_log
+        if rank in launch.stopped and launch.end == "fail-fast":  # it failed, then did not end by itself
+            text += (f"\n{who(launch, rank)} had not ended {ctx.fail_fast_grace:g} s after the first failure "
+                     f"(a fixture's teardown waiting in a collective for peers, say): stopped by "
+                     f"pytest-gpumem ({_how_stopped(launch, rank)})" + _stack(launch, rank, "when stopped"))
         failures.append((when, rank, text))
     failures.sort(key=lambda item: (item[0], item[1]))
     found = [text for _, _, text in failures]
@@ -82,7 +88,7 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: Lau
     if stopped:
         first = f"rank {failures[0][1]}" if failures else "another rank"
         found.extend(f"{who(launch, rank)}: stopped by pytest-gpumem after {first} failed "
-                     f"({_how_stopped(launch, rank)})" for rank in stopped)
+                     f"({_how_stopped(launch, rank)})" + _stack(launch, rank, "when stopped") for rank in stopped)
     if launch.leftovers:
         found.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
     found.extend(launch.problems)
@@ -91,6 +97,11 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: Lau
         if log:
             found.append(f"{launch.launcher} launcher output (last lines):\n{log}")
     return found
+
+
+def _stack(launch: LaunchResult, rank: int, when: str) -> str:
+    stack = launch.stacks.get(rank, "").rstrip()
+    return f"\n--- rank {rank} Python stack {when} ---\n{stack}" if stack else ""
 
 
 def _how_stopped(launch: LaunchResult, rank: int) -> str:

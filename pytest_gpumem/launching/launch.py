@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,14 +31,19 @@ from ..rankside import protocol
 from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
 from ..rankside.simulate import SIMULATE_ENV
 from . import forking
+from .leases import LeaseError
+from .ports import PortError, PortLease, default_port_dir, lease_port
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", SIMULATE_ENV, SLOT_ENV)
 _TICK_S = 0.02
-_FAIL_FAST_GRACE_S = 2.0   # let the other ranks finish their own failure report first
+DEFAULT_FAIL_FAST_GRACE_S = 2.0  # gpumem_fail_fast_grace: the other ranks' time to report their own failure
 _TERM_GRACE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0
+# How torch's TCPStore ("EADDRINUSE, message: address already in use") and OneFlow's control
+# server ("Address already in use") say that the rendezvous port was taken.
+_ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class LaunchRequest:
     simulated: tuple[int, ...] = ()
     world_size: int = 0
     gpus: int = 1
+    fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S  # after a rank failed, before the others are ended
+    port_dir: Path | None = None    # where rendezvous ports are leased (None: ports.default_port_dir())
 
 
 @dataclass
@@ -86,6 +94,11 @@ class LaunchResult:
     pythonpath: str | None = None          # the ranks' PYTHONPATH (relative entries made absolute)
     start: str = "exec"                    # how the ranks were started: "fork" or "exec"
     start_refusal: str | None = None       # a fork was asked for and refused here: why
+    port: int | None = None                # the rendezvous port (MASTER_PORT) the launch was given
+    port_note: str | None = None           # why the port was not leased (chosen free, as before)
+    # The rendezvous port was taken by another program before any rank's test body started: the line
+    # that says so (a relaunch on another port runs no user test body twice; runner.py does it).
+    port_lost: str | None = None
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
         """The end of a rank's output, without the pytest/pluggy/runpy frames of a crash dump
@@ -96,11 +109,8 @@ class LaunchResult:
 
 
 def free_port() -> int:
-    """A port the OS says is free now, chosen afresh for each launch; rank 0 binds it a moment later.
-
-    Not retried: if another program takes the port in between, rank 0's rendezvous fails with
-    "address already in use" and the test fails naming that rank (tests/test_faults.py).
-    """
+    """A port the OS says is free now; rank 0 binds it a moment later. Only where no port can be
+    leased (``ports.py``), and for Slurm, whose rank 0 binds on another node."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -200,10 +210,11 @@ class Launch:
         req = self.request
         req.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = rank_environment(os.environ, req, self.launch_id)
-        port = free_port()
+        lease, note = self._lease_port()
+        port = lease.port if lease is not None else free_port()
         command = self._command(port)
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command,
-                              pythonpath=env.get("PYTHONPATH"))
+                              pythonpath=env.get("PYTHONPATH"), port=port, port_note=note)
         start = time.monotonic()
         guard = _SignalGuard()
         try:
@@ -237,13 +248,46 @@ class Launch:
                 self._collect_exit_codes(result)
                 self._read_results()
                 result.results = dict(self._results)
+                result.port_lost = self._port_lost()
             finally:
+                if lease is not None:
+                    lease.release()  # held until every process of the launch is gone
                 # A held SIGTERM/SIGHUP ends pytest right here: nobody will read the launch's folder.
                 guard.release(before_dying=lambda: shutil.rmtree(req.workdir, ignore_errors=True))
         return result
 
     def _command(self, port: int) -> list[str]:
         return launcher_command(self.request, port)
+
+    def _lease_port(self) -> tuple[PortLease | None, str | None]:
+        """The launch's MASTER_PORT, leased for its life (``ports.py``); torchrun --standalone picks
+        and binds its own. Where none can be leased, a port chosen free, as before, and why."""
+        if self.request.launcher == "torchrun":
+            return None, None
+        try:
+            return lease_port(self.request.port_dir or default_port_dir()), None
+        except (LeaseError, PortError) as exc:
+            return None, f"rendezvous port not leased ({exc}); chosen free instead"
+
+    def _port_lost(self) -> str | None:
+        """The line saying the rendezvous port was taken, in a launch that failed before any rank's
+        test body started (the ``body`` files); None otherwise. Body mode only: a script's own code
+        runs from its first line."""
+        req = self.request
+        if req.rank_argv[:1] != ("pytest",) or req.launcher == "torchrun":
+            return None
+        ranks = range(req.nproc)
+        if all(r in self._results and self._results[r].outcome != "failed" for r in ranks):
+            return None
+        if any(protocol.body_started(req.workdir, r) for r in ranks):
+            return None
+        texts = [r.text for r in self._results.values()] + [protocol.read_tail(req.workdir, r, "log") for r in ranks]
+        texts.append(_read(req.workdir / "launcher.log"))
+        for text in texts:
+            for line in text.splitlines():
+                if _ADDRESS_IN_USE.search(line):
+                    return line.strip()
+        return None
 
     def _spawn(self, command: Sequence[str], env: Mapping[str, str], output: Path) -> None:
         """Start one process in a session of its own, its stdout and stderr appended to ``output``
@@ -288,8 +332,9 @@ class Launch:
                 # report. A rank that failed its test may still be blocked in the framework's
                 # exit barrier, waiting for peers that wait for it.
                 failed_at = now
-            if failed_at is not None and now - failed_at > _FAIL_FAST_GRACE_S:
+            if failed_at is not None and now - failed_at >= req.fail_fast_grace:
                 result.end = "fail-fast"
+                self._dump_stacks(result)  # where the ranks still running were: the report shows it
                 return
             if now >= deadline:
                 result.timed_out = True
@@ -363,12 +408,18 @@ class Launch:
 
     def _dump_stacks(self, result: LaunchResult) -> None:
         """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) before killing it."""
-        for pid in result.pids.values():
+        asked = []
+        for rank, pid in result.pids.items():
             try:
                 os.kill(pid, signal.SIGUSR1)
+                asked.append(rank)
             except OSError:
                 pass
-        time.sleep(_STACK_DUMP_WAIT_S)
+        end = time.monotonic() + _STACK_DUMP_WAIT_S
+        while time.monotonic() < end and not all(
+                protocol.read_tail(self.request.workdir, rank, "stack").strip() for rank in asked):
+            time.sleep(0.05)
+        time.sleep(0.05)  # faulthandler writes a thread at a time: let the last one finish
         for rank in result.pids:
             text = protocol.read_tail(self.request.workdir, rank, "stack")
             if text.strip():
@@ -529,6 +580,13 @@ def _user_frames(stack: str) -> str:
     """A faulthandler dump without the pytest/pluggy/runpy frames every rank has in common."""
     return "\n".join(line for line in stack.splitlines()
                      if not any(frame in line for frame in _HARNESS_FRAMES))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,5 +1,7 @@
 """Whole-GPU leases shared by every pytest process on the host (xdist workers, other sessions).
 
+(Rendezvous ports are leased the same way, in the same folder: ``ports.py``.)
+
 One ``flock`` per GPU in a lease folder: the kernel drops the lock when its holder dies, so a
 crashed worker's lease is reclaimed without any liveness guessing; the owner file next to it
 only says who holds it. Every acquire and release is appended to ``lease.log``, which is how we
@@ -57,16 +59,7 @@ class GpuLeases:
         self.wait_s = wait_s
 
     def _check_folder(self) -> None:
-        """Made at the first lease, ours alone: a shared temp dir must not let others fake a lease."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            info = self.folder.stat()
-        except OSError as exc:
-            raise LeaseError(f"gpumem_lease_dir {str(self.folder)!r} cannot be used "
-                             f"({exc.strerror or exc}); expected a folder this user can create") from None
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
-            raise LeaseError(f"gpumem_lease_dir {str(self.folder)!r} belongs to another user or is "
-                             "writable by others; expected a folder of this user's alone")
+        check_lease_folder(self.folder)
 
     def acquire(self, count: int, owner: str) -> Lease:
         """Take ``count`` whole GPUs, all or none (no hold-and-wait), waiting at most ``wait_s``."""
@@ -106,6 +99,20 @@ class GpuLeases:
             except (OSError, ValueError, KeyError):
                 continue
         return out
+
+
+def check_lease_folder(folder: Path) -> None:
+    """Made at the first lease, ours alone: a shared temp dir must not let others fake a lease
+    (of a GPU, or of a rendezvous port: ``ports.py``)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = folder.stat()
+    except OSError as exc:
+        raise LeaseError(f"gpumem_lease_dir {str(folder)!r} cannot be used "
+                         f"({exc.strerror or exc}); expected a folder this user can create") from None
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise LeaseError(f"gpumem_lease_dir {str(folder)!r} belongs to another user or is "
+                         "writable by others; expected a folder of this user's alone")
 
 
 def _log(path: Path, event: str, owner: str, devices: Sequence[GpuDevice]) -> None:

@@ -38,7 +38,7 @@ from .failures import RankOutcome
 from .floor import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
 from .gpus import GpuPlan, GpuPlanner
-from .launch import Launch, LaunchRequest, LaunchResult, describe_returncode
+from .launch import DEFAULT_FAIL_FAST_GRACE_S, Launch, LaunchRequest, LaunchResult, describe_returncode
 from .workdirs import make_workdir, sweep_orphans
 
 
@@ -85,6 +85,7 @@ class TestRun:
 
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
+PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before any test body started
 
 
 class Runner:
@@ -109,6 +110,7 @@ class Runner:
         slurm_options: slurm.SlurmOptions | None = None,
         start: str = "auto",
         start_refusal: str | None = None,
+        fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S,
     ) -> None:
         self.cwd = cwd
         self.rootdir = rootdir
@@ -133,6 +135,7 @@ class Runner:
         self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
         self.start = start  # auto | fork | exec: how a direct launch starts its ranks (see _fork_refusal)
         self.start_refusal = start_refusal  # the session's reason never to fork (pytest's settings)
+        self.fail_fast_grace = fail_fast_grace  # seconds the other ranks get once one failed
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -295,12 +298,11 @@ class Runner:
             result = run.result
             if result.world_size not in sizes or result.device != "gpu" or result.sites or result.predicted:
                 continue
-            processes = len(result.simulated) or result.world_size
-            plan = self._plan(test.spec, min(processes, self.simulated_gpus or processes),
-                              f"{test.test_id} (peak sites)")
+            spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
+            plan = self._plan(spec, self._processes(result.world_size, result.simulated), f"{test.test_id} (peak sites)")
             if plan.skip_reason is not None:
                 continue
-            again = self._launch(test.test_id, test.spec, result.world_size, plan, history=True,
+            again = self._launch(test.test_id, spec, result.world_size, plan, history=True,
                                  simulated=result.simulated)
             rank = result.gated_rank(test.spec.rank)
             found = again.result.sites.get(rank) if rank is not None else None
@@ -320,12 +322,17 @@ class Runner:
         ``gpus`` GPUs present (None: host memory). Its figures are keyed by the ranks they stand for."""
         self.simulated_gpus = gpus
         direct = replace(spec, launcher="direct")  # a launcher would start the whole world
-        leased = min(len(ranks), gpus) if gpus else len(ranks)
-        plan = self._plan(direct, leased, f"{test_id} (simulated nproc={world_size})")
+        plan = self._plan(direct, self._processes(world_size, ranks), f"{test_id} (simulated nproc={world_size})")
         if plan.skip_reason is not None:
             return SizeRun(result=SizeResult(world_size, "gpu", {}, simulated=ranks),
                            launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])
         return self._launch(test_id, direct, world_size, plan, simulated=ranks)
+
+    def _processes(self, world_size: int, simulated: tuple[int, ...]) -> int:
+        """GPUs a launch leases: one a rank, or for a simulated world those its ranks share."""
+        if not simulated:
+            return world_size
+        return min(len(simulated), self.simulated_gpus) if self.simulated_gpus else len(simulated)
 
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
                 simulated: tuple[int, ...] = ()) -> SizeRun:
@@ -333,15 +340,28 @@ class Runner:
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
-        try:
-            workdir = self._new_workdir(spec)
-        except OSError as exc:
-            return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
-                           outcomes={}, problems=[str(exc)])
-        try:  # the folder goes whatever happens, Ctrl-C included
-            return self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        lost: list[str] = []
+        while True:
+            try:
+                workdir = self._new_workdir(spec)
+            except OSError as exc:
+                return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                               outcomes={}, problems=[str(exc)])
+            try:  # the folder goes whatever happens, Ctrl-C included
+                run = self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
+                break
+            # Another program took the rendezvous port before any rank's test body started: the same
+            # launch again on another port, with fresh samplers (the GPUs were released with it).
+            lost.append(f"rendezvous port {run.launch.port} was taken by another program before any rank's "
+                        f"test body started ({run.launch.port_lost}): relaunched on another port")
+            plan = self._plan(spec, self._processes(nproc, simulated), test_id)
+            if plan.skip_reason is not None or plan.error is not None:
+                break
+        run.notes = lost + run.notes
+        return run
 
     def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
                    history: bool = False, simulated: tuple[int, ...] = ()) -> SizeRun:
@@ -381,6 +401,7 @@ class Runner:
             simulated=simulated,
             world_size=world,
             gpus=self.simulated_gpus or 1,
+            fail_fast_grace=self.fail_fast_grace,
         )
         started_at = time.time()  # the ranks' own curves are in epoch seconds
         for sampler in samplers:
@@ -399,6 +420,8 @@ class Runner:
         if why and self.start == "fork":  # asked for: said in the report (auto falls back quietly; the record says)
             run.notes.append(f"ranks exec'd, not forked: {why}")
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        if launch.port_note:
+            run.notes.append(launch.port_note)
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
         return run
 
@@ -512,7 +535,7 @@ class Runner:
     def _problems(self, spec: Spec, run: SizeRun, workdir: Path) -> list[str]:
         return failures.problems(run.launch, run.outcomes, failures.LaunchContext(
             marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir, timeout=spec.timeout,
-            body_mode=spec.body_mode))
+            body_mode=spec.body_mode, fail_fast_grace=self.fail_fast_grace))
 
 
 def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started_at: float) -> tuple[

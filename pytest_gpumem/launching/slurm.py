@@ -35,6 +35,7 @@ from ..rankside.slurm_env import expand_hostlist, format_addresses
 from ..rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 from .gpus import GpuPlan
 from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
+from .ports import PortLease
 
 SHARED_SUBDIR = ".gpumem-slurm"
 _CANCEL_GRACE_S = 3.0     # SIGTERM to the step, then SIGKILL: the same grace as a local launch
@@ -123,7 +124,7 @@ def srun_command(request: LaunchRequest, port: int, step_name: str, options: Slu
     command = [sys.executable, "-m", "pytest_gpumem.rankside.rank", "exec",  # srun dies with pytest; Slurm
                srun, f"--job-name={step_name}",                     # then ends the step
                f"--ntasks={request.nproc}",
-               # Our own fail-fast gives the other ranks 2 s to report, as in a local launch.
+               # Our own fail-fast gives the other ranks gpumem_fail_fast_grace to report, as in a local launch.
                "--kill-on-bad-exit=0",
                f"--chdir={request.cwd}"]
     if nodes is not None:
@@ -149,6 +150,10 @@ class SrunLaunch(Launch):
     # --- what Launch.run calls ---------------------------------------------------------------
     def _command(self, port: int) -> list[str]:
         return srun_command(self.request, port, self.step_name, self.options, self._addresses)
+
+    def _lease_port(self) -> tuple[PortLease | None, str | None]:
+        """Rank 0 binds the port on its own node: a lease on this host would not hold it there."""
+        return None, None
 
     def _watch_rank(self, pid: int) -> None:
         """The PID is on the rank's own host: never signalled, sampled or scanned from here."""

@@ -12,7 +12,11 @@ hello      the rank, at start          the launcher (the rank's pid, to watch it
 log        the rank (stdout, stderr)   the runner (tail of a failing rank's output)
 stack      faulthandler, on SIGUSR1    the launcher, when a launch times out
 exit       the rank, last at exit      the runner (peaks, provenance): :class:`ExitReport`
-result     the rank's pytest           the launcher (fail fast) and the runner: :class:`RankResult`
+result     the rank's pytest           the launcher (fail fast) and the runner: :class:`RankResult`;
+                                       a failure as soon as pytest reports it (before the fixtures'
+                                       teardown), any other outcome when the rank's pytest ends
+body       the rank's pytest, as the   the launcher: a launch whose rendezvous port was lost is
+           test body starts            relaunched only while no rank has started its body
 config     the ``gpumem_config`` call  the runner (declared settings, for provenance)
 boxing     the nn.Graph audit          the runner (``boxing.read_records``)
 snapshot   torch's allocator           the runner (moved out before the folder goes)
@@ -29,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["hello", "log", "stack", "exit", "result", "config", "boxing", "snapshot", "memray", "task"]
+Kind = Literal["hello", "log", "stack", "exit", "result", "body", "config", "boxing", "snapshot", "memray",
+               "task"]
 
 
 def rank_file(workdir: Path, rank: int, kind: Kind) -> Path:
@@ -127,6 +132,17 @@ def read_result(workdir: Path, rank: int) -> RankResult | None:
     if not isinstance(data, dict) or "outcome" not in data:
         return None
     return RankResult(str(data["outcome"]), str(data.get("text", "")), str(data.get("error", "")))
+
+
+# ----------------------------------------------------------------------------------------- body
+
+
+def write_body_started(workdir: Path, rank: int) -> None:
+    rank_file(workdir, rank, "body").touch(mode=0o600)
+
+
+def body_started(workdir: Path, rank: int) -> bool:
+    return rank_file(workdir, rank, "body").exists()
 
 
 # --------------------------------------------------------------------------------------- config
