@@ -299,7 +299,8 @@ class Runner:
             if result.world_size not in sizes or result.device != "gpu" or result.sites or result.predicted:
                 continue
             spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
-            plan = self._plan(spec, self._processes(result.world_size, result.simulated), f"{test.test_id} (peak sites)")
+            processes = self._processes(result.world_size, result.simulated)
+            plan = self._plan(spec, processes, f"{test.test_id} (peak sites)")
             if plan.skip_reason is not None:
                 continue
             again = self._launch(test.test_id, spec, result.world_size, plan, history=True,
