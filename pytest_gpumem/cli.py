@@ -8,7 +8,7 @@ interpreter (the plugin does the writing, so the CLI and pytest can never disagr
 job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
 ``gpumem measure --nproc 1,2,4 -- train_net.py ...`` runs a program at each size (``measure.py``).
 ``gpumem bisect GOOD BAD -- tests/test_x.py::test_y`` finds the commit that grew a test's peak
-(``bisect.py``).
+(the ``bisect`` package).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("measure", add_help=False,  # parsed by measure.py: everything after -- is the program
                    help="run an existing launch at several world sizes and print its per-rank scaling table "
                         "(gpumem measure --help)")
-    sub.add_parser("bisect", add_help=False,  # parsed by bisect.py: everything after -- names the test
+    sub.add_parser("bisect", add_help=False,  # parsed by bisect/command.py: everything after -- names the test
                    help="find the first commit at which a test's gated peak grew past the tolerance "
                         "(gpumem bisect --help)")
     diff = sub.add_parser("diff", help="compare the gated peaks of two JSON reports (exit 1 on a regression)",

@@ -8,7 +8,8 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
     presentation  renderers of the record
-    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands)
+    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands;
+                  bisect is a package: its search, its commits, its worktree steps, the command)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
 TOP = {"plugin", "gate", "cli", "measure", "bisect"}
+COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
     # the one option table names the rank side's environment switches (their names: strings)
@@ -51,7 +53,8 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE)
+MODULES = sorted(p for p in PACKAGE.rglob("*.py")
+                 if p.parent != PACKAGE and p.relative_to(PACKAGE).parts[0] not in COMMAND_PACKAGES)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -71,15 +74,25 @@ def test_nothing_below_the_top_level_imports_it():
 
 
 def test_the_top_level_holds_only_the_entry_points_and_the_gate():
-    assert {p.stem for p in PACKAGE.glob("*.py")} == TOP | {"__init__"}
+    assert {p.stem for p in PACKAGE.glob("*.py")} | COMMAND_PACKAGES == TOP | {"__init__"}
 
 
 def test_the_layer_list_names_every_subpackage():
-    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(LAYERS)
+    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(
+        LAYERS + sorted(COMMAND_PACKAGES))
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_PACKAGES))
+def test_a_command_package_imports_no_other_top_level_module(name: str):
+    for path in (PACKAGE / name).rglob("*.py"):
+        assert not _imports(path) & (TOP - {name}), f"{path.relative_to(PACKAGE)} imports a top-level module"
 
 
 def test_only_the_cli_imports_the_commands():
     assert {"measure", "bisect"} <= _imports(PACKAGE / "cli.py")
     for path in PACKAGE.glob("*.py"):
         if path.stem != "cli":
+            assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent != PACKAGE and path.relative_to(PACKAGE).parts[0] not in COMMAND_PACKAGES:
             assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
