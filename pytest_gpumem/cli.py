@@ -22,7 +22,8 @@ from pathlib import Path
 from .config import inifile, settings
 from .config.spec import SpecError, parse_tolerance
 from .judging.baseline import BaselineError, BaselineStore
-from .judging.record import ReportError, load_report
+from .judging.record import ReportError
+from .judging.record_reader import load_report
 from .presentation.outputs import compare, diff_markdown, diff_table
 
 

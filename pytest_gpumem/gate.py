@@ -12,9 +12,10 @@ from typing import Callable
 from .config.settings import Settings
 from .config.spec import Spec
 from .judging import growth as growth_mod
+from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
 from .judging.explain import config_provenance, provenance_diff, timeline_lines
-from .judging.record import BaselineChange, TestRecord, build
+from .judging.record import BaselineChange, TestRecord
 from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
 from .launching.runner import SizeRun, TestRun
 from .oneflow import boxing

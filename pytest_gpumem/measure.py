@@ -158,7 +158,8 @@ def _writable(folder: Path) -> bool:
 
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
-    from .judging.record import build, report_document
+    from .judging.assemble import build
+    from .judging.record import report_document
     from .judging.verdict import judge
     from .launching import scaling
     from .launching.floor_cache import FloorCache

@@ -338,9 +338,9 @@ class ParentSide:
             return
         for key, value in report.user_properties:
             if key == _RECORD_KEY:
-                from .judging.record import TestRecord
+                from .judging.record_reader import read_record
 
-                rec = TestRecord.from_json(json.loads(str(value)), report.nodeid)
+                rec = read_record(json.loads(str(value)), report.nodeid)
                 if hasattr(report, "wasxfail"):
                     rec = rec.with_status("xfailed" if report.skipped else "xpassed")
                 elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it

@@ -67,6 +67,51 @@ def test_each_layer_imports_only_the_layers_below_it(path: Path):
         f"move the shared code down, or pass it in")
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports, anywhere in it (functions and type checks too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return (found & known) - {name}
+
+
+def test_no_module_of_the_package_imports_itself_through_others():
+    """No import cycle, lazy imports included: a cycle means two modules that are one job, or a
+    type in the wrong one (record <-> growth was one)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _module_imports(path, set(paths)) for name, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycle = trail[trail.index(name):] + [name]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
 def test_nothing_below_the_top_level_imports_it():
     for path in MODULES:
         top = _imports(path) & TOP

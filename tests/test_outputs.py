@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import cli
-from pytest_gpumem.judging.record import CheckRecord, Limits, RankPeak, SizeRecord, TestRecord, load_report
+from pytest_gpumem.judging.record import CheckRecord, Limits, RankPeak, SizeRecord, TestRecord
+from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.presentation import outputs, plots
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
@@ -485,7 +486,7 @@ def test_a_failure_just_over_its_baseline_reads_apart_in_the_table_and_the_markd
     """The failure text prints 505.44 > 505.38: the session's table and the Markdown print the same
     figures, not 505.4 and 505.4."""
     from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
-    from pytest_gpumem.judging.record import build
+    from pytest_gpumem.judging.assemble import build
     from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
     from pytest_gpumem.presentation.report import table
     from pytest_gpumem.sampling import Peak

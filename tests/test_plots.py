@@ -16,8 +16,8 @@ from pytest_gpumem.judging.record import (
     RankPeak,
     SizeRecord,
     TestRecord,
-    load_report,
 )
+from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.presentation import plots
 
 pytest.importorskip("matplotlib")

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.predict import (
     FLAT,
     LINEAR,
@@ -20,7 +21,6 @@ from pytest_gpumem.judging.predict import (
     loo_error,
     predict,
 )
-from pytest_gpumem.judging.record import build
 from pytest_gpumem.judging.verdict import SizeResult, judge
 from pytest_gpumem.launching.scaling import Capacity, plan
 from pytest_gpumem.sampling import Peak

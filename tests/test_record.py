@@ -21,10 +21,9 @@ from pytest_gpumem.judging.record import (
     SiteChange,
     SizeRecord,
     TestRecord,
-    load_report,
-    parse_report,
     report_document,
 )
+from pytest_gpumem.judging.record_reader import load_report, parse_report
 from pytest_gpumem.presentation import outputs
 
 DATA = Path(__file__).parent / "data"

@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 import psutil
 
 from ..config.settings import option
-from ..judging.record import ReportError, SizeRecord, TestRecord, parse_report
+from ..judging.record import ReportError, SizeRecord, TestRecord
+from ..judging.record_reader import parse_report
 from .commits import Commit, git
 
 # What a step's pytest must not write where the user would find it: outputs named by the user's
