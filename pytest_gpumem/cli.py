@@ -24,7 +24,8 @@ from .config.spec import SpecError, parse_tolerance
 from .judging.baseline import BaselineError, BaselineStore
 from .judging.record import ReportError
 from .judging.record_reader import load_report
-from .presentation.outputs import compare, diff_markdown, diff_table
+from .judging.report_diff import diff_reports
+from .presentation.outputs import diff_markdown, diff_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,14 +101,14 @@ def _show(directory: Path, pattern: str | None) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    """Thin: load, compare (outputs.compare), print; every input problem is exit 2 with its file."""
+    """Thin: load, compare (report_diff.diff_reports), print; every input problem is exit 2 with its file."""
     try:
         tolerance = parse_tolerance(args.tolerance, "--tolerance") if args.tolerance is not None else None
         old, new = load_report(args.old), load_report(args.new)
     except (ReportError, SpecError) as exc:
         print(f"gpumem diff: {exc}", file=sys.stderr)
         return 2
-    result = compare(old, new, tolerance)
+    result = diff_reports(old, new, tolerance)
     for line in diff_table(result):
         print(line)
     if args.markdown is not None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .launching.runner import Runner
     from .launching.scaling import Capacity
     from .rankside import protocol
+    from .rankside.protocol import RankState
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
 # and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
@@ -450,7 +451,7 @@ class RankSide:
                 dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
                 watch.body_ended(dump)
 
-    def _set(self, outcome: str, text: str, error: str = "") -> None:
+    def _set(self, outcome: RankState, text: str, error: str = "") -> None:
         from .rankside import protocol
 
         if self.outcome is None or self.outcome.outcome != "failed":

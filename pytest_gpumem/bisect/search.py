@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
 from ..config.spec import Tolerance
-from ..judging.growth import compare as compare_sites
+from ..judging.growth import site_growth
 from ..judging.record import SizeRecord
 from ..judging.verdict import against_reference
 from ..sampling.sites import from_dicts
@@ -107,4 +107,4 @@ def site_lines(good: SizeRecord | Mapping[str, Any], bad: SizeRecord | Mapping[s
     after = from_dicts(_listed(found_bad[0], rank))
     if not after:
         return []
-    return compare_sites(from_dicts(_listed(found_good[0], rank)), after, "the last good commit").lines()
+    return site_growth(from_dicts(_listed(found_good[0], rank)), after, "the last good commit").lines()

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
+from ..sampling import Peak
 from ..sampling.allocations import is_allocation_method
 from .explain import imbalance, peak_times
 from .growth import Growth
-from .record import AllocatedRecord, BaselineChange, CheckRecord, FloorRecord, Limits, RankPeak, SizeRecord, TestRecord
+from .record import (
+    AllocatedRecord,
+    BaselineChange,
+    Cause,
+    CheckRecord,
+    FloorRecord,
+    Limits,
+    SizeRecord,
+    Status,
+    TestRecord,
+)
 from .verdict import SizeResult, Verdict, ratio_figures
 
 if TYPE_CHECKING:
@@ -30,7 +41,7 @@ class Run(Protocol):
     def provenance(self) -> dict[str, str]: ...
 
 
-def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None = None,
+def build(test: Run, verdict: Verdict | None, status: Status, *, cause: Cause | None = None,
           baselines: Mapping[int, float] | None = None, allocated_baselines: Mapping[int, float] | None = None,
           changes: Sequence[BaselineChange] = (), changed: Sequence[str] = (),
           messages: Sequence[str] | None = None, growth: Growth | None = None) -> TestRecord:
@@ -53,7 +64,7 @@ def build(test: Run, verdict: Verdict | None, status: str, *, cause: str | None 
             gated_rank=result.gated_rank(spec.rank),
             gated_label=label,
             gated_mib=gated,
-            ranks={r: RankPeak(p.mib, p.method) for r, p in sorted(result.peaks.items())},
+            ranks={r: Peak(p.mib, p.method) for r, p in sorted(result.peaks.items())},
             checks=tuple(checks.get(n, ())),
             ratio=verdict.ratio(n) if verdict is not None else None,
             ratio_figure=_ratio_figure(test.results, result, spec) if verdict is not None else "",

@@ -6,26 +6,29 @@ own limit, each size says whether it failed. :meth:`TestRecord.to_json` is the o
 by :data:`SCHEMA`; it travels to the xdist controller and into ``--gpumem-report`` files.
 :mod:`.record_reader` reads it back; :func:`.assemble.build` makes a record from a run and its verdict.
 
-A test's outcome is pytest's own word (:data:`STATUSES`), and a failed (or xfailed) test says what
-failed in :data:`CAUSES`: a limit, a rank, or the baseline.
+A test's outcome is pytest's own word (:data:`Status`), and a failed (or xfailed) test says what
+failed (:data:`Cause`): a limit, a rank, or the baseline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE
+from ..sampling import Peak
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
 SCHEMA = 4
 # pytest's words; "measured": `gpumem measure` without limits (launched and measured, nothing judged)
-STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "measured")
+Status = Literal["passed", "failed", "skipped", "xfailed", "xpassed", "measured"]
+STATUSES: tuple[Status, ...] = get_args(Status)
 # Why a test failed: a memory limit or baseline exceeded (or no figure to judge); a rank failed,
 # died or hung (or the launch could not start); no comparable baseline where one is required (CI);
 # a baseline file that could not be read or written; a test marked xfail(strict=True) that passed.
-CAUSES = ("limit", "crash", "baseline-missing", "baseline-error", "xpass-strict")
-FAILED = ("failed", "xfailed")  # the statuses that carry a cause
+Cause = Literal["limit", "crash", "baseline-missing", "baseline-error", "xpass-strict"]
+CAUSES: tuple[Cause, ...] = get_args(Cause)
+FAILED: tuple[Status, ...] = ("failed", "xfailed")  # the statuses that carry a cause
 CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "schema1")
 
 
@@ -43,12 +46,6 @@ class Limits:
     rank: int | str = 0  # an int, or "all": the largest rank
     tolerance: str = str(DEFAULT_TOLERANCE)
     allocated_tolerance: str = str(DEFAULT_ALLOCATED_TOLERANCE)
-
-
-@dataclass(frozen=True)
-class RankPeak:
-    mib: float | None
-    method: str
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ class SizeRecord:
     gated_rank: int | None  # None: rank="all" with nothing measured
     gated_label: str  # "rank 0", "rank 3 (largest)"
     gated_mib: float | None
-    ranks: Mapping[int, RankPeak] = field(default_factory=dict)
+    ranks: Mapping[int, Peak] = field(default_factory=dict)
     checks: tuple[CheckRecord, ...] = ()
     ratio: float | None = None  # the ratio limit's figure over its nproc=1 value
     ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
@@ -194,7 +191,7 @@ class TestRecord:
     __test__ = False  # not a pytest test class, whatever its name
 
     test: str
-    status: str  # one of STATUSES
+    status: Status
     nproc: tuple[int, ...]
     launcher: str = "direct"
     limits: Limits = Limits()
@@ -207,9 +204,9 @@ class TestRecord:
     grown_sites: tuple[SiteChange, ...] = ()  # what grew at the failing size, largest first
     grown_against: str = ""  # "nproc=1" or "the baseline"
     sites_summary: str = ""  # what the listed sites leave out (shrunk, the framework's internals)
-    cause: str | None = None  # one of CAUSES where status is failed or xfailed
+    cause: Cause | None = None  # where status is failed or xfailed
 
-    def with_status(self, status: str, cause: str | None = None) -> TestRecord:
+    def with_status(self, status: Status, cause: Cause | None = None) -> TestRecord:
         """The record under pytest's final word (``xfailed``, ``xpassed``); a failure keeps its cause."""
         return replace(self, status=status, cause=(cause or self.cause) if status in FAILED else None)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from .record import FAILED, CheckRecord, SizeRecord
+from .record import FAILED, Cause, CheckRecord, SizeRecord, Status
 
-OLD_STATUSES = {"pass": "passed", "FAIL": "failed", "ERROR": "failed", "skip": "skipped", "XFAIL": "xfailed",
-                "XPASS": "xpassed"}  # schemas 1 to 3
+OLD_STATUSES: dict[str, Status] = {"pass": "passed", "FAIL": "failed", "ERROR": "failed", "skip": "skipped",
+                                   "XFAIL": "xfailed", "XPASS": "xpassed"}  # schemas 1 to 3
 _LABEL = re.compile(r"rank (\d+)")
 
 
@@ -26,7 +26,8 @@ def schema1_checks(raw: Mapping[str, Any], gated_mib: float | None,
     return (int(match.group(1)) if match else None), (check,)
 
 
-def old_status(status: str, messages: tuple[str, ...], sizes: tuple[SizeRecord, ...]) -> tuple[str, str | None]:
+def old_status(status: str, messages: tuple[str, ...],
+               sizes: tuple[SizeRecord, ...]) -> tuple[Status, Cause | None]:
     """A schema-1/2/3 status in today's words, and the cause its record shows: ``FAIL`` was a limit;
     ``ERROR`` a failed launch or a baseline problem (told apart by its message); an ``XFAIL`` failed
     either way."""

@@ -11,9 +11,10 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar, cast
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..sampling import Peak
 from . import record_migration as migration
 from .record import (
     CAUSES,
@@ -23,13 +24,14 @@ from .record import (
     STATUSES,
     AllocatedRecord,
     BaselineChange,
+    Cause,
     CheckRecord,
     FloorRecord,
     Limits,
-    RankPeak,
     ReportError,
     SiteChange,
     SizeRecord,
+    Status,
     TestRecord,
 )
 
@@ -41,8 +43,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-class _Reader:
-    """Collects every problem of a record instead of stopping at the first."""
+class _Fields:
+    """Reads one field at a time, collecting every problem of a record instead of stopping at the first."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
@@ -122,7 +124,10 @@ class _Reader:
         self.bad(where, "a string", value)
         return None
 
-    # -------------------------------------------------------------- the parts
+
+
+class _Reader(_Fields):
+    """A record's parts: its limits, its checks, its sizes, the record itself."""
 
     def limits(self, raw: Any, where: str) -> Limits:
         raw = self.obj(raw if raw is not None else {}, where)
@@ -187,7 +192,7 @@ class _Reader:
             prediction = None
         mibs = self.per_rank(raw, "ranks", where, lambda v, w: None if v is None else self.mib(v, w))
         methods = self.per_rank(raw, "methods", where, self.string)
-        ranks = {r: RankPeak(mibs.get(r), methods.get(r, "")) for r in sorted(set(mibs) | set(methods))}
+        ranks = {r: Peak(mibs.get(r), methods.get(r, "")) for r in sorted(set(mibs) | set(methods))}
         if schema == 1:
             gated_rank, checks = migration.schema1_checks(raw, gated_mib, self.flag(raw, "failed", where))
             label = str(raw.get("gated_rank") or "")
@@ -253,12 +258,12 @@ class _Reader:
         if not isinstance(test, str) or not test:
             self.bad(f"{where}.test", "a test id string", test)
             test = ""
-        status = raw.get("status")
+        word = raw.get("status")
         accepted = STATUSES if schema >= 4 else tuple(migration.OLD_STATUSES)
-        valid = status in accepted
+        valid = word in accepted
         if not valid:
-            self.bad(f"{where}.status", f"one of {', '.join(accepted)}", status)
-            status = "failed" if schema >= 4 else "ERROR"
+            self.bad(f"{where}.status", f"one of {', '.join(accepted)}", word)
+            word = "failed" if schema >= 4 else "ERROR"
         messages = tuple(str(m) for m in raw.get("messages") or [])
         nproc = raw.get("nproc") or []
         if not (isinstance(nproc, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in nproc)):
@@ -298,8 +303,10 @@ class _Reader:
                              item)
             else:
                 self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib[, called_from, chains]}", item)
+        status: Status
+        cause: Cause | None
         if schema >= 4:
-            cause = raw.get("cause")
+            status, cause = cast(Status, word), raw.get("cause")  # one of STATUSES, checked above
             if not valid:
                 cause = "crash"
             elif status in FAILED and cause not in CAUSES:
@@ -309,9 +316,9 @@ class _Reader:
                 self.bad(f"{where}.cause", f"null (the status is {status})", cause)
                 cause = None
         else:
-            status, cause = migration.old_status(str(status), messages, sizes)
+            status, cause = migration.old_status(str(word), messages, sizes)
         return TestRecord(
-            test=test, status=str(status), nproc=tuple(nproc), launcher=self.text(raw, "launcher", where, "direct"),
+            test=test, status=status, nproc=tuple(nproc), launcher=self.text(raw, "launcher", where, "direct"),
             limits=limits, sizes=sizes, provenance={str(k): str(v) for k, v in provenance.items()},
             messages=messages, notes=self.texts(raw, "notes", where),
             baseline_changes=tuple(changes), changed_since_baseline=self.texts(raw, "changed_since_baseline", where),
