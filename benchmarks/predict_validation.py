@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
 from pytest_gpumem.judging import predict  # noqa: E402
 from pytest_gpumem.judging.verdict import SizeResult, judge  # noqa: E402
+from pytest_gpumem.launching.rank_setup import RankSetup  # noqa: E402
 from pytest_gpumem.launching.runner import Runner  # noqa: E402
 
 EXAMPLES = {
@@ -77,7 +78,7 @@ def measure(test_id: str, kwargs: dict[str, Any], sizes: tuple[int, ...], batch:
     env = {**(kwargs.get("env") or {}), "EXAMPLE_LOCAL_BATCH": str(batch)}
     spec = parse_marker((), {**kwargs, "nproc": list(sizes), "env": env, "timeout": timeout,
                              **({"launcher": launcher} if launcher else {})}, Defaults())
-    runner = Runner(cwd=ROOT, rootdir=ROOT, rank_pytest_args=rank_pytest_args)
+    runner = Runner(cwd=ROOT, setup=RankSetup(rootdir=ROOT, rank_pytest_args=rank_pytest_args))
     started = time.monotonic()
     test = runner.run(test_id, spec)
     out: dict[str, Any] = {"launcher": spec.launcher,

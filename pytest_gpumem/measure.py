@@ -165,18 +165,20 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .launching.floor_cache import FloorCache
     from .launching.gpus import GpuPlanner
     from .launching.leases import default_lease_dir
+    from .launching.rank_setup import RankSetup
     from .launching.runner import Runner
     from .presentation import outputs
     from .sampling.nvml import visible_gpus
 
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
+    setup = RankSetup(rootdir=Path.cwd(), rank_pytest_args=_no_pytest, track_host=settings.track_host,
+                      sites=settings.sites, python_allocations=settings.python_allocations,
+                      gpu_sampler=settings.gpu_sampler, rank_env=settings.rank_env())
     runner = Runner(
-        cwd=Path.cwd(), rootdir=Path.cwd(), rank_pytest_args=_no_pytest,
+        cwd=Path.cwd(), setup=setup,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
-        host_interval_s=interval, floor=settings.floor, gpu_sampler=settings.gpu_sampler,
+        host_interval_s=interval, floor=settings.floor,
         floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
-        track_host=settings.track_host, sites=settings.sites, python_allocations=settings.python_allocations,
-        rank_env=settings.rank_env(),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

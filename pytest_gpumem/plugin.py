@@ -222,30 +222,35 @@ class ParentSide:
             from .judging.baseline import BaselineStore
             from .launching.floor_cache import FloorCache
             from .launching.gpus import GpuPlanner
+            from .launching.launcher import LauncherOptions
             from .launching.leases import default_lease_dir
+            from .launching.rank_setup import RankSetup
             from .launching.runner import Runner
-            from .launching.slurm import SlurmOptions
 
             resolved = self.settings
             interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
-            runner = Runner(
-                cwd=Path(self.config.invocation_params.dir),
+            setup = RankSetup(
                 rootdir=Path(self.config.rootpath),
                 rank_pytest_args=self.rank_pytest_args,
+                track_host=resolved.track_host,
+                sites=resolved.sites,
+                gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
+                python_allocations=resolved.python_allocations,
+                gpu_sampler=resolved.gpu_sampler,
+                rank_env=resolved.rank_env(),
+                snapshot=resolved.torch_snapshot is not None,
+                start=resolved.start,
+                start_refusal=self._fork_refusal(),
+            )
+            runner = Runner(
+                cwd=Path(self.config.invocation_params.dir),
+                setup=setup,
                 gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
                 host_interval_s=interval,
                 snapshot_dir=resolved.torch_snapshot,
-                rank_env=resolved.rank_env(),
                 floor=resolved.floor,
                 floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
-                track_host=resolved.track_host,
-                sites=resolved.sites,
-                python_allocations=resolved.python_allocations,
-                gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
-                gpu_sampler=resolved.gpu_sampler,
-                slurm_options=SlurmOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
-                start=resolved.start,
-                start_refusal=self._fork_refusal(),
+                launcher_options=LauncherOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
                 fail_fast_grace=resolved.fail_fast_grace,
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)

@@ -18,6 +18,7 @@ from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
 from pytest_gpumem.launching import floor_cache
 from pytest_gpumem.launching.floor_cache import FloorCache, cache_key
+from pytest_gpumem.launching.rank_setup import RankSetup
 from pytest_gpumem.launching.runner import Runner
 
 PROVENANCE = {"python": "3.11.7", "platform": "Linux-x86_64", "torch": "2.13.0", "torch_cuda": "12.8",
@@ -113,7 +114,7 @@ def session(tmp_path: Path, cache: FloorCache, *, refresh: bool = False,
     the test's run and the programs launched, in order."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    runner = Runner(cwd=tmp_path, rootdir=tmp_path, rank_pytest_args=lambda _: [], floor="on",
+    runner = Runner(cwd=tmp_path, setup=RankSetup(rootdir=tmp_path, rank_pytest_args=lambda _: []), floor="on",
                     floor_cache=cache, refresh_floors=refresh)
     launched: list[str] = []
     real = runner._launch

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from ..rankside.protocol import RankResult
 from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
+from .launcher import launcher
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
@@ -85,7 +86,7 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankResult], ctx: Laun
     if launch.leftovers:
         found.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
     found.extend(launch.problems)
-    if found and launch.launcher != "direct" and not shown_launcher_log:
+    if found and not launcher(launch.launcher).per_rank and not shown_launcher_log:
         log = _tail(ctx.workdir / "launcher.log", 15)
         if log:
             found.append(f"{launch.launcher} launcher output (last lines):\n{log}")
@@ -138,7 +139,7 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
         head += " before the plugin's rank code started"
     tail = launch.rank_log(ctx.workdir, rank)
     from_launcher = False
-    if not tail and launch.launcher != "direct":  # the rank never opened its own log
+    if not tail and not launcher(launch.launcher).per_rank:  # the rank never opened its own log
         if launcher_shown:
             return head + "; it left no log of its own (the launcher's output is above)", False
         tail = _tail(ctx.workdir / "launcher.log", _LAUNCHER_LOG_LINES)

@@ -21,9 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
-
-import psutil
+from typing import Callable, Mapping, Sequence
 
 from ..rankside import protocol
 from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
@@ -31,6 +29,7 @@ from ..rankside.simulate import SIMULATE_ENV
 from . import forking
 from .leases import LeaseError
 from .ports import PortError, PortLease, default_port_dir, lease_port
+from .processes import LaunchProcesses
 from .signal_guard import FatalSignal, SignalGuard
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
@@ -38,7 +37,6 @@ _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "
              "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", SIMULATE_ENV, SLOT_ENV)
 _TICK_S = 0.02
 DEFAULT_FAIL_FAST_GRACE_S = 2.0  # gpumem_fail_fast_grace: the other ranks' time to report their own failure
-_TERM_GRACE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0
 # How torch's TCPStore ("EADDRINUSE, message: address already in use") and OneFlow's control
 # server ("Address already in use") say that the rendezvous port was taken.
@@ -162,22 +160,15 @@ def rank_environment(base: Mapping[str, str], request: LaunchRequest, launch_id:
     return env
 
 
-def launcher_command(request: LaunchRequest, port: int) -> list[str]:
-    target = ["-m", "pytest_gpumem.rankside.rank", *request.rank_argv]
-    # A launcher is started through ``rank exec``, which binds it to die with pytest (its ranks
-    # die with it): even a SIGKILLed pytest leaves nothing running.
-    bound = [sys.executable, "-m", "pytest_gpumem.rankside.rank", "exec", sys.executable]
-    if request.launcher == "oneflow":
-        return [*bound, "-m", "oneflow.distributed.launch",
-                "--nproc_per_node", str(request.nproc), "--master_port", str(port),
-                "--logdir", str(request.workdir / "log"), *target]
-    if request.launcher == "torchrun":
-        # --log-dir: torchrun's default is a fresh torchelastic_* folder in the system temp dir,
-        # never removed; inside the launch's private folder it goes away with it.
-        return [*bound, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(request.nproc), "--max-restarts", "0",
-                "--monitor-interval", "0.1", "--log-dir", str(request.workdir / "torchrun"), *target]
-    return [sys.executable, *target]
+def bound_python() -> list[str]:
+    """A launcher is started through ``rank exec``, which binds it to die with pytest (its ranks
+    die with it): even a SIGKILLed pytest leaves nothing running."""
+    return [sys.executable, "-m", "pytest_gpumem.rankside.rank", "exec", sys.executable]
+
+
+def rank_target(request: LaunchRequest) -> list[str]:
+    """What each rank's interpreter runs: ``-m pytest_gpumem.rankside.rank <rank_argv>``."""
+    return ["-m", "pytest_gpumem.rankside.rank", *request.rank_argv]
 
 
 def direct_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -194,15 +185,21 @@ def simulated_env(slot: int, request: LaunchRequest) -> dict[str, str]:
             SLOT_ENV: str(slot), SIMULATE_ENV: f"{request.simulated[slot]}/{request.world_size}"}
 
 
-class Launch:
-    """Runs one launch to the end; ``on_rank(rank, pid)`` is called as each rank announces itself."""
+class Launch(LaunchProcesses):
+    """Runs one launch to the end; ``on_rank(rank, pid)`` is called as each rank announces itself.
+
+    One subclass per launcher (``launching/launchers/``): this base starts one launcher process that
+    starts the ranks; a subclass says how (``_command``), and what it does differently by the class
+    attributes below, never by its name.
+    """
+
+    per_rank = False  # True: we start each rank ourselves (one process, one exit code a rank; forkable)
+    picks_own_port = False  # the launcher picks and binds the rendezvous port (torchrun --standalone)
 
     def __init__(self, request: LaunchRequest, on_rank: Callable[[int, int], None]) -> None:
         self.request = request
         self.on_rank = on_rank
-        self.launch_id = uuid.uuid4().hex
-        self._procs: list[subprocess.Popen | forking.ForkedRank] = []
-        self._seen: dict[int, psutil.Process] = {}
+        super().__init__(uuid.uuid4().hex)
         self._results: dict[int, protocol.RankResult] = {}
 
     def run(self) -> LaunchResult:
@@ -218,23 +215,7 @@ class Launch:
         guard = SignalGuard()
         try:
             guard.arm()
-            if req.launcher == "direct":
-                if req.start == "fork":
-                    result.start_refusal = forking.refusal(env)
-                    result.start = "exec" if result.start_refusal else "fork"
-                # Each rank writes into its own log from its first byte: a rank that dies before
-                # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
-                for rank in range(req.nproc):
-                    rank_env = direct_env(env, rank, req.nproc, port)
-                    if req.simulated:
-                        rank_env.update(simulated_env(rank, req))
-                    log = protocol.rank_file(req.workdir, rank, "log")
-                    if result.start == "fork":
-                        self._fork(rank_env, log)
-                    else:
-                        self._spawn(command, rank_env, log)
-            else:
-                self._spawn(command, env, req.workdir / "launcher.log")
+            self._start_ranks(command, env, port, result)
             self._supervise(result, start)
         except FatalSignal as exc:
             guard.held.append(exc.signum)  # raised again once the launch's processes are gone
@@ -256,12 +237,17 @@ class Launch:
         return result
 
     def _command(self, port: int) -> list[str]:
-        return launcher_command(self.request, port)
+        """The command that starts the launcher (or, for a launcher of ``per_rank``, each rank)."""
+        raise NotImplementedError(f"{type(self).__name__} says no command")
+
+    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int, result: LaunchResult) -> None:
+        """One launcher process, which starts the ranks; its output in ``launcher.log``."""
+        self._spawn(command, env, self.request.workdir / "launcher.log")
 
     def _lease_port(self) -> tuple[PortLease | None, str | None]:
-        """The launch's MASTER_PORT, leased for its life (``ports.py``); torchrun --standalone picks
-        and binds its own. Where none can be leased, a port chosen free, as before, and why."""
-        if self.request.launcher == "torchrun":
+        """The launch's MASTER_PORT, leased for its life (``ports.py``); a launcher that picks its own
+        leases none. Where none can be leased, a port chosen free, as before, and why."""
+        if self.picks_own_port:
             return None, None
         try:
             return lease_port(self.request.port_dir or default_port_dir()), None
@@ -273,7 +259,7 @@ class Launch:
         test body started (the ``body`` files); None otherwise. Body mode only: a script's own code
         runs from its first line."""
         req = self.request
-        if req.rank_argv[:1] != ("pytest",) or req.launcher == "torchrun":
+        if req.rank_argv[:1] != ("pytest",) or self.picks_own_port:
             return None
         ranks = range(req.nproc)
         if all(r in self._results and self._results[r].outcome != "failed" for r in ranks):
@@ -326,7 +312,7 @@ class Launch:
                 result.end = "done"
                 return
             if failed_at is None and (reported or (
-                    req.launcher == "direct" and any(c not in (None, 0) for c in codes))):
+                    self.per_rank and any(c not in (None, 0) for c in codes))):
                 # Like torchrun: one failed rank ends the launch, after a grace for the others to
                 # report. A rank that failed its test may still be blocked in the framework's
                 # exit barrier, waiting for peers that wait for it.
@@ -353,14 +339,14 @@ class Launch:
     def _ended_ranks(self, result: LaunchResult, codes: list[int | None]) -> set[int]:
         """The ranks whose process has ended (direct: the processes we started, one per rank;
         a launcher's ranks: the pids they announced)."""
-        if self.request.launcher == "direct":
+        if self.per_rank:
             return {rank for rank, code in enumerate(codes) if code is not None}
         return {rank for rank, pid in result.pids.items()
                 if pid not in self._seen or not self._alive([self._seen[pid]])}
 
     def _running_ranks(self, result: LaunchResult) -> set[int]:
         codes = [p.poll() for p in self._procs]
-        known = set(range(len(self._procs))) if self.request.launcher == "direct" else set(result.pids)
+        known = set(range(len(self._procs))) if self.per_rank else set(result.pids)
         return known - self._ended_ranks(result, codes)
 
     def _read_results(self) -> None:
@@ -390,21 +376,6 @@ class Launch:
         """A rank's process is ours to clean up (its own host: the local launchers)."""
         self._remember(pid)
 
-    def _remember(self, pid: int) -> None:
-        if pid not in self._seen:
-            try:
-                self._seen[pid] = psutil.Process(pid)
-            except psutil.Error:
-                pass
-
-    def _track_descendants(self) -> None:
-        for proc in list(self._seen.values()):
-            try:
-                for child in proc.children(recursive=True):
-                    self._seen.setdefault(child.pid, child)
-            except psutil.Error:
-                continue
-
     def _dump_stacks(self, result: LaunchResult) -> None:
         """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) before killing it."""
         asked = []
@@ -424,79 +395,9 @@ class Launch:
             if text.strip():
                 result.stacks[rank] = _user_frames(text)
 
-    def _cleanup(self) -> list[int]:
-        """SIGTERM every group and known process, then SIGKILL what is left; return survivors.
-
-        Our own children are reaped through Popen (psutil would steal their exit status).
-        """
-        self._track_descendants()
-        own = {proc.pid for proc in self._procs}
-        for proc in self._procs:
-            _signal_group(proc.pid, signal.SIGTERM)
-        others = [p for p in self._alive(self._seen.values()) + self._strays() if p.pid not in own]
-        if not others and all(proc.poll() is not None for proc in self._procs):
-            # The usual end: every process of the launch had exited. Nothing is left to wait for or
-            # find again (each look for strays reads every process's environment); a member of a
-            # group that carries neither our env nor a known pid goes as it always did, by SIGKILL.
-            for proc in self._procs:
-                _signal_group(proc.pid, signal.SIGKILL)
-            return []
-        for other in others:
-            _signal(other, signal.SIGTERM)
-        deadline = time.monotonic() + _TERM_GRACE_S
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            _signal_group(proc.pid, signal.SIGKILL)
-            if proc.poll() is None:
-                proc.kill()
-        alive = alive + [p for p in self._strays() if p.pid not in own]
-        for stray in alive:
-            _signal(stray, signal.SIGKILL)
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=_TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=_TERM_GRACE_S)
-        survivors = self._alive(alive) + self._strays()
-        survivors += [psutil.Process(p.pid) for p in self._procs if p.poll() is None]
-        return sorted({p.pid for p in survivors})
-
-    def _strays(self) -> list[psutil.Process]:
-        """Processes of this launch that escaped the tree (setsid, double fork): found by env."""
-        marker = f"{LAUNCH_ID_ENV}={self.launch_id}".encode()
-        me = os.getpid()
-        strays = []
-        for proc in psutil.process_iter():
-            if proc.pid == me:
-                continue
-            try:
-                data = Path(f"/proc/{proc.pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if marker in data.split(b"\0") and proc.status() != psutil.STATUS_ZOMBIE:
-                strays.append(proc)
-        return strays
-
-    @staticmethod
-    def _alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
-        alive = []
-        for proc in procs:
-            try:
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(proc)
-            except psutil.Error:
-                pass
-        return alive
-
     def _collect_exit_codes(self, result: LaunchResult) -> None:
         codes = [p.returncode for p in self._procs]
-        if self.request.launcher == "direct":
+        if self.per_rank:
             result.returncodes = {rank: code for rank, code in enumerate(codes) if code is not None}
         else:
             result.launcher_returncode = codes[0] if codes else None
@@ -519,20 +420,6 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except OSError:
-        pass
-
-
-def _signal(proc: psutil.Process, sig: int) -> None:
-    try:
-        proc.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 def describe_returncode(code: int | None) -> str:

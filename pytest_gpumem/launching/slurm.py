@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -35,6 +34,7 @@ from ..rankside.slurm_env import expand_hostlist, format_addresses
 from ..rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 from .gpus import GpuPlan
 from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
+from .launcher import LauncherOptions
 from .ports import PortLease
 
 SHARED_SUBDIR = ".gpumem-slurm"
@@ -43,15 +43,6 @@ _STEP_GONE_WAIT_S = 60.0  # Slurm's own KillWait and epilog may take a while on 
 _SLURM_CMD_TIMEOUT_S = 30.0
 _HOW_TO_RUN = ("run pytest inside a Slurm allocation, e.g. `salloc -N2 -n4 pytest --gpumem ...`, "
                "or from an sbatch script (docs/cluster.md)")
-
-
-@dataclass(frozen=True)
-class SlurmOptions:
-    """Session settings for srun launches."""
-
-    shared_dir: Path | None = None     # --gpumem-slurm-dir; None: $SLURM_SUBMIT_DIR/.gpumem-slurm
-    srun_args: tuple[str, ...] = ()    # --gpumem-srun-args, e.g. ("--gpus-per-task=1",)
-    nnodes: int | None = None          # --gpumem-nnodes; the marker's nnodes wins
 
 
 def not_in_allocation(env: Mapping[str, str] = os.environ) -> str | None:
@@ -72,13 +63,13 @@ def plan(spec: Spec, nproc: int, env: Mapping[str, str] = os.environ) -> GpuPlan
     return GpuPlan()
 
 
-def shared_root(options: SlurmOptions, env: Mapping[str, str] = os.environ) -> Path:
+def shared_root(options: LauncherOptions, env: Mapping[str, str] = os.environ) -> Path:
     if options.shared_dir is not None:
         return options.shared_dir
     return Path(env.get("SLURM_SUBMIT_DIR") or os.getcwd()) / SHARED_SUBDIR
 
 
-def make_workdir(options: SlurmOptions, env: Mapping[str, str] = os.environ) -> Path:
+def make_workdir(options: LauncherOptions, env: Mapping[str, str] = os.environ) -> Path:
     """The launch's private folder, inside the folder every node sees."""
     root = shared_root(options, env)
     try:
@@ -117,7 +108,7 @@ def node_addresses(env: Mapping[str, str] = os.environ) -> dict[str, str]:
     return found
 
 
-def srun_command(request: LaunchRequest, port: int, step_name: str, options: SlurmOptions,
+def srun_command(request: LaunchRequest, port: int, step_name: str, options: LauncherOptions,
                  addresses: Mapping[str, str]) -> list[str]:
     nodes = effective_nodes(request.nnodes if request.nnodes is not None else options.nnodes, request.nproc)
     srun = shutil.which("srun") or "srun"
@@ -139,7 +130,7 @@ class SrunLaunch(Launch):
     """A :class:`Launch` whose ranks are the tasks of one job step, possibly on other hosts."""
 
     def __init__(self, request: LaunchRequest, on_rank: Callable[[int, int], None],
-                 options: SlurmOptions, env: Mapping[str, str] = os.environ) -> None:
+                 options: LauncherOptions, env: Mapping[str, str] = os.environ) -> None:
         super().__init__(request, on_rank)
         self.options = options
         self.job_id = env["SLURM_JOB_ID"]

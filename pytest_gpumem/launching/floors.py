@@ -1,0 +1,71 @@
+"""The floor of each figure that shows one, for the parent: from this session, from the floor
+cache, or measured by an empty launch of the probe (``floor.py``, which runs in the ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from ..config.spec import Spec
+from ..judging.verdict import FloorResult
+from .floor import FRAMEWORKS
+from .floor_cache import FloorCache, cache_key
+from .runs import SizeRun, TestRun
+
+LaunchProbe = Callable[[str, Spec, int], SizeRun]  # (test id, the probe's spec, world size) -> its run
+
+
+class Floors:
+    """A session's floors: measured once per framework, launch and size, then kept (and cached)."""
+
+    def __init__(self, mode: str, cache: FloorCache | None, refresh: bool, launch_probe: LaunchProbe) -> None:
+        self.mode = mode  # auto: floors of GPU figures; on: of every figure; off
+        self.cache = cache  # None: floors are measured in every session
+        self.refresh = refresh  # measure even where the cache has the floor (and rewrite it)
+        self.launch_probe = launch_probe
+        self._found: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
+
+    def add(self, test: TestRun) -> None:
+        """The floor of each figure that shows one (floor=auto: GPU figures; on: every figure): from
+        this session, from the floor cache, or measured by an empty launch (once per framework,
+        launcher, device, env and size). Looked up after the test's launch, which names the framework."""
+        for run in test.runs:
+            result = run.result
+            if result.simulated:  # an empty job under a stand-in communicator measures no communicator
+                continue
+            if not (self.mode == "on" or (self.mode == "auto" and result.device == "gpu")):
+                continue
+            framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
+            if framework is None:
+                continue
+            probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
+                            args=(framework, result.device), device=result.device, nproc=(result.world_size,))
+            key = (framework, probe.launch_key(), result.world_size)
+            if key not in self._found:
+                self._found[key] = self._floor(test.test_id, probe, framework, run)
+                run.notes.extend(self._found[key][1])  # said once, on the run that looked it up
+            floor = self._found[key][0]
+            if floor is None:
+                run.notes.append(f"the {framework} floor at nproc={result.world_size} could not be measured")
+                continue
+            run.result = replace(result, floor=floor)
+
+    def _floor(self, test_id: str, probe: Spec, framework: str, run: SizeRun) -> tuple[FloorResult | None, list[str]]:
+        """(the floor, notes): the cached one unless refreshing; otherwise launched, then cached."""
+        result, notes = run.result, []
+        key = None if self.cache is None else cache_key(
+            device=result.device, platform=result.platform, world_size=result.world_size, method=result.methods,
+            launch=probe.launch_key(), provenance=run.provenance)
+        if self.cache is not None and key is not None and not self.refresh:
+            cached, problem = self.cache.get(key)
+            notes += [problem] if problem else []
+            if cached is not None and cached.framework == framework:
+                return FloorResult(framework, cached.ranks, cached=cached.date), notes
+        measured = self.launch_probe(test_id, probe, result.world_size)
+        ranks = {r: p.mib for r, p in measured.result.peaks.items() if p.mib is not None}
+        if measured.problems:
+            return None, notes
+        if self.cache is not None and key is not None and ranks:
+            problem = self.cache.put(key, framework, ranks)
+            notes += [problem] if problem else []
+        return FloorResult(framework, ranks), notes

@@ -1,0 +1,112 @@
+"""How a launch's ranks are started: the :class:`Launcher` protocol, and the registry of its
+implementations, one module each in ``launching/launchers/`` (direct, oneflow, torchrun, srun).
+
+The runner and the failure text ask a launcher what they need to know (where its GPUs come from,
+where its launch folder lives, whether its ranks are on this host, what a rank's exit means); the
+launch itself is the launcher's :class:`~.launch.Launch` subclass. Nothing compares a launcher's
+name. Adding one (``accelerate launch``, ``deepspeed``, ``mpirun``) is one module in
+``launching/launchers/`` that calls :func:`register`, and its name in ``config.spec.LAUNCHERS``,
+which the marker and the options accept.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
+
+from .launch import describe_returncode
+
+if TYPE_CHECKING:
+    from ..config.spec import Spec
+    from .gpus import GpuPlan
+    from .launch import Launch, LaunchRequest, LaunchResult
+
+
+@dataclass(frozen=True)
+class LauncherOptions:
+    """The session's settings a launcher reads (today srun's only)."""
+
+    shared_dir: Path | None = None     # --gpumem-slurm-dir; None: $SLURM_SUBMIT_DIR/.gpumem-slurm
+    srun_args: tuple[str, ...] = ()    # --gpumem-srun-args, e.g. ("--gpus-per-task=1",)
+    nnodes: int | None = None          # --gpumem-nnodes; the marker's nnodes wins
+
+
+class Launcher(Protocol):
+    """One way of starting a launch's ranks."""
+
+    name: str
+    per_rank: bool  # we start each rank ourselves: one exit code a rank, no launcher log
+    remote: bool  # ranks may run on other hosts: their PIDs are not ours; each samples its own GPU
+
+    def plan(self, spec: Spec, nproc: int) -> GpuPlan | None:
+        """The launch's GPUs where the launcher gives them itself; None: leased here (``gpus.py``)."""
+        ...
+
+    def workdir(self, options: LauncherOptions) -> Path | None:
+        """The launch folder where the ranks need one of the launcher's; None: a private local one."""
+        ...
+
+    def start(self, request: LaunchRequest, on_rank: Callable[[int, int], None],
+              options: LauncherOptions) -> Launch:
+        """The launch, ready to ``run()``."""
+        ...
+
+    def exit_text(self, launch: LaunchResult, rank: int) -> str:
+        """How rank ``rank`` ended, as far as this launcher tells: ``exit code 1``, ``killed by SIGKILL``."""
+        ...
+
+
+class LocalLauncher:
+    """What most launchers share: ranks on this host, started by one launcher process, GPUs leased
+    here, a private local launch folder."""
+
+    per_rank = False
+    remote = False
+
+    def plan(self, spec: Spec, nproc: int) -> GpuPlan | None:
+        return None
+
+    def workdir(self, options: LauncherOptions) -> Path | None:
+        return None
+
+    def exit_text(self, launch: LaunchResult, rank: int) -> str:
+        return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
+
+
+_REGISTRY: dict[str, Launcher] = {}
+C = TypeVar("C", bound=Callable[[], Launcher])
+
+
+def register(cls: C) -> C:
+    """Class decorator: the launcher answers to its ``name`` from now on."""
+    made = cls()
+    _REGISTRY[made.name] = made
+    return cls
+
+
+def _load() -> None:
+    """Every module of ``launching/launchers/``, each registering its launcher (once)."""
+    if not _REGISTRY:
+        from . import launchers
+
+        for module in pkgutil.iter_modules(launchers.__path__):
+            importlib.import_module(f"{launchers.__name__}.{module.name}")
+
+
+def launcher(name: str) -> Launcher:
+    """The launcher registered as ``name``."""
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"launcher={name!r} is not registered: expected one of {', '.join(registered())}") \
+            from None
+
+
+def registered() -> list[str]:
+    """The names of every launcher, sorted."""
+    _load()
+    return sorted(_REGISTRY)

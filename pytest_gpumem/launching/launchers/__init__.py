@@ -1,0 +1,1 @@
+"""The launchers, one module each; each registers itself (``launching.launcher.register``)."""

@@ -1,0 +1,49 @@
+"""``launcher="direct"``: we start every rank ourselves, exec'd or forked from pytest, each in a
+session of its own with the environment contract (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK) set: no launcher's start-up cost, an exit code per rank, and a simulated world."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Mapping
+
+from ...rankside import protocol
+from .. import forking
+from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode, direct_env, rank_target, simulated_env
+from ..launcher import LauncherOptions, LocalLauncher, register
+
+
+class DirectLaunch(Launch):
+    per_rank = True
+
+    def _command(self, port: int) -> list[str]:
+        return [sys.executable, *rank_target(self.request)]
+
+    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int, result: LaunchResult) -> None:
+        req = self.request
+        if req.start == "fork":
+            result.start_refusal = forking.refusal(env)
+            result.start = "exec" if result.start_refusal else "fork"
+        # Each rank writes into its own log from its first byte: a rank that dies before
+        # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
+        for rank in range(req.nproc):
+            rank_env = direct_env(env, rank, req.nproc, port)
+            if req.simulated:
+                rank_env.update(simulated_env(rank, req))
+            log = protocol.rank_file(req.workdir, rank, "log")
+            if result.start == "fork":
+                self._fork(rank_env, log)
+            else:
+                self._spawn(command, rank_env, log)
+
+
+@register
+class Direct(LocalLauncher):
+    name = "direct"
+    per_rank = True
+
+    def start(self, request: LaunchRequest, on_rank: Callable[[int, int], None], options: LauncherOptions) -> Launch:
+        return DirectLaunch(request, on_rank)
+
+    def exit_text(self, launch: LaunchResult, rank: int) -> str:
+        return describe_returncode(launch.returncodes.get(rank))

@@ -1,0 +1,111 @@
+"""How a launch's ranks are set up, decided before it starts: what each rank runs, what it measures
+of itself (host allocations, peak sites, the allocator's history, its own GPU), its environment,
+and whether it is forked from pytest or exec'd."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..config.spec import Spec
+from ..rankside.rank import (
+    GPU_IN_RANK_ENV,
+    GPU_INTERVAL_ENV,
+    HISTORY_ENV,
+    PYTHON_ALLOCATIONS_ENV,
+    ROOTDIR_ENV,
+    SITES_ENV,
+    SNAPSHOT_ENV,
+    TRACK_ENV,
+)
+from .gpus import GpuPlan
+from .launcher import launcher
+
+EXEC_ASKED = "--gpumem-start=exec"
+NOT_GPU = "not a GPU launch (auto forks those only)"
+QUIET = (None, EXEC_ASKED, NOT_GPU)  # reasons the record does not repeat under start=auto
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """The session's settings for its ranks (the plugin's options, or gpumem measure's)."""
+
+    rootdir: Path  # sites are named from here; a relative script= is found here
+    rank_pytest_args: Callable[[str], list[str]]  # test id -> the rank's pytest arguments
+    track_host: str = "auto"  # auto | on | off: memray in each rank (see tracks_host)
+    sites: str = "auto"  # auto | on | off: peak sites (auto: GPU ones from a relaunch, see Runner.relaunch_for_sites)
+    gpu_history: bool = False  # record torch's allocator history in every launch (sites="on" does too)
+    python_allocations: str = "objects"  # objects | arenas: how the tracker counts Python's
+    gpu_sampler: str = "parent"  # "parent": NVML watched from pytest; "rank": each rank's own thread
+    rank_env: Mapping[str, str] = field(default_factory=dict)  # the session's rank-side switches; a marker's env wins
+    snapshot: bool = False  # each rank dumps torch's allocator snapshot (--gpumem-torch-snapshot)
+    start: str = "auto"  # auto | fork | exec: how a direct launch starts its ranks (see fork_refusal)
+    start_refusal: str | None = None  # the session's reason never to fork (pytest's settings)
+
+    def argv(self, test_id: str, spec: Spec) -> tuple[str, ...]:
+        if spec.script is not None:
+            script = Path(spec.script)
+            if not script.is_absolute():
+                script = self.rootdir / script
+            return ("script", str(script), *spec.args)
+        if spec.module is not None:
+            return ("module", spec.module, *spec.args)
+        return ("pytest", *self.rank_pytest_args(test_id))
+
+    def tracks_host(self, spec: Spec, plan: GpuPlan) -> bool:
+        """Whether the ranks track their host allocations (memray, the gated host figure).
+
+        Decided before the launch: where GPUs are leased and the spec's device is not "cpu", the
+        figure will be GPU memory, and the tracker (1.1-2x a launch's time: it hooks every Python
+        call and every allocation) would measure a figure that is not gated. Those ranks keep NVML,
+        and their VmHWM as information. ``track_host=on`` tracks everywhere, ``off`` nowhere; a
+        marker's env (GPUMEM_TRACK_ALLOCATIONS) wins over both.
+        """
+        if self.track_host in ("on", "off"):
+            return self.track_host == "on"
+        return not (plan.sampler is not None and spec.device != "cpu")
+
+    def fork_refusal(self, spec: Spec, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
+        """Why this launch's ranks are exec'd rather than forked from pytest (None: forked).
+
+        auto forks GPU launches only: their figure is GPU memory, which a fork leaves as it is.
+        What the process itself may forbid (CUDA or OneFlow in pytest, other threads) is checked
+        by the launch, at the fork (``forking.refusal``).
+        """
+        if self.start == "exec":
+            return EXEC_ASKED
+        if self.start == "auto" and (plan.sampler is None or spec.device == "cpu"):
+            return NOT_GPU
+        if not launcher(spec.launcher).per_rank:
+            return f"launcher={spec.launcher!r} starts the ranks itself"
+        if not spec.body_mode:
+            return "script= and module= run in a fresh interpreter"
+        if env.get(TRACK_ENV) != "0":
+            return "host allocations are tracked (the tracker must see the frameworks' imports)"
+        if self.in_rank_gpu(spec, plan):
+            return "each rank samples its own GPU (--gpumem-gpu-sampler=rank)"
+        return self.start_refusal
+
+    def in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
+        return launcher(spec.launcher).remote or (plan.sampler is not None and self.gpu_sampler == "rank")
+
+    def env(self, spec: Spec, plan: GpuPlan, history: bool) -> dict[str, str]:
+        """The ranks' environment: the session's switches, what they measure, the marker's env, the GPUs."""
+        # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
+        side_env = {ROOTDIR_ENV: str(self.rootdir), SITES_ENV: "0" if self.sites == "off" else "1",
+                    HISTORY_ENV: "1" if history or self.gpu_history or self.sites == "on" else "0",
+                    PYTHON_ALLOCATIONS_ENV: self.python_allocations}
+        if self.snapshot:
+            side_env[SNAPSHOT_ENV] = "1"
+        if self.in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
+            side_env[GPU_IN_RANK_ENV] = "1"
+            if plan.sampler is not None:
+                side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
+        track = {TRACK_ENV: "1" if self.tracks_host(spec, plan) else "0"}  # a marker's env wins
+        return {**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env}
+
+    def start_note(self, refused: str | None, refused_at_fork: str | None) -> str | None:
+        """Why the ranks were exec'd, where the record says it: always when a fork was asked for;
+        under auto, unless the reason is the usual one."""
+        return refused_at_fork or (refused if refused not in QUIET or self.start == "fork" else None)

@@ -1,0 +1,38 @@
+"""Launchers are chosen by asking a registered Launcher, never by comparing a name: one module per
+launcher in launching/launchers/, and the names the marker accepts are exactly the registered ones."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.config.spec import LAUNCHERS
+from pytest_gpumem.launching.launcher import launcher, registered
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
+
+
+def test_the_marker_accepts_exactly_the_registered_launchers():
+    assert registered() == sorted(LAUNCHERS)
+    for name in LAUNCHERS:
+        assert launcher(name).name == name
+
+
+def test_an_unknown_launcher_says_which_are_registered():
+    with pytest.raises(ValueError, match=r"launcher='mpirun' is not registered: expected one of direct, oneflow"):
+        launcher("mpirun")
+
+
+def test_only_the_srun_launcher_has_remote_ranks_and_only_direct_starts_each_rank():
+    assert [name for name in registered() if launcher(name).remote] == ["srun"]
+    assert [name for name in registered() if launcher(name).per_rank] == ["direct"]
+
+
+def test_no_module_compares_a_launcher_s_name():
+    """config/ is the exception: it validates the marker a layer below the launchers (nnodes is srun's)."""
+    compare = re.compile(r"launcher\s*(==|!=|in|not in)\s*[(\"']")
+    found = [f"{path.relative_to(PACKAGE)}:{n}" for path in PACKAGE.rglob("*.py") if path.parent.name != "config"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
+    assert found == [], "ask the Launcher (launching/launcher.py) instead of comparing its name"
