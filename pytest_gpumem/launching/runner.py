@@ -7,6 +7,7 @@ env in script mode).
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -387,7 +388,8 @@ class Runner:
             if plan.sampler is not None:
                 side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         track = {TRACK_ENV: "1" if self._tracks_host(spec, plan) else "0"}  # a marker's env wins
-        env = {**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env}
+        env = {**self.rank_env, **track, **nccl_defaults(plan.sampler is not None), **dict(spec.env), **plan.env,
+               **side_env}
         refused = self._fork_refusal(spec, plan, env)
         request = LaunchRequest(
             launcher=spec.launcher,
@@ -567,6 +569,19 @@ def _rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, starte
         for t, mib in curve:
             points.setdefault(round(float(t) - started_at, 4), {})[rank] = float(mib)
     return allocated, sites, tuple(sorted(points.items())), notes
+
+
+# ProcessGroupNCCL keeps each collective's tensors until its watchdog thread sees the collective done,
+# on the thread's own period: a tensor the job frees in between stays counted by the allocator for a
+# while, so an unchanged DDP job's max_memory_allocated read 1601.28 or 1857.33 MiB between runs
+# (benchmarks/gpu/ddp_nccl_spread.py). A blocking wait hands them back at the wait: the figure holds.
+NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def nccl_defaults(gpu: bool, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The GPU ranks' NCCL settings that make the allocator figure reproducible, unless the session
+    sets them itself (a marker's env wins over both)."""
+    return {k: v for k, v in NCCL_DEFAULTS.items() if gpu and k not in environ}
 
 
 def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
