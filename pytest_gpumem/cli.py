@@ -8,7 +8,7 @@ interpreter (the plugin does the writing, so the CLI and pytest can never disagr
 job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
 ``gpumem measure --nproc 1,2,4 -- train_net.py ...`` runs a program at each size (``measure.py``).
 ``gpumem bisect GOOD BAD -- tests/test_x.py::test_y`` finds the commit that grew a test's peak
-(``bisect.py``).
+(the ``bisect`` package).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from pathlib import Path
 from .config import inifile, settings
 from .config.spec import SpecError, parse_tolerance
 from .judging.baseline import BaselineError, BaselineStore
-from .judging.record import ReportError, load_report
-from .presentation.outputs import compare, diff_markdown, diff_table
+from .judging.record import ReportError
+from .judging.record_reader import load_report
+from .judging.report_diff import diff_reports
+from .presentation.outputs import diff_markdown, diff_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("measure", add_help=False,  # parsed by measure.py: everything after -- is the program
                    help="run an existing launch at several world sizes and print its per-rank scaling table "
                         "(gpumem measure --help)")
-    sub.add_parser("bisect", add_help=False,  # parsed by bisect.py: everything after -- names the test
+    sub.add_parser("bisect", add_help=False,  # parsed by bisect/command.py: everything after -- names the test
                    help="find the first commit at which a test's gated peak grew past the tolerance "
                         "(gpumem bisect --help)")
     diff = sub.add_parser("diff", help="compare the gated peaks of two JSON reports (exit 1 on a regression)",
@@ -99,14 +101,14 @@ def _show(directory: Path, pattern: str | None) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    """Thin: load, compare (outputs.compare), print; every input problem is exit 2 with its file."""
+    """Thin: load, compare (report_diff.diff_reports), print; every input problem is exit 2 with its file."""
     try:
         tolerance = parse_tolerance(args.tolerance, "--tolerance") if args.tolerance is not None else None
         old, new = load_report(args.old), load_report(args.new)
     except (ReportError, SpecError) as exc:
         print(f"gpumem diff: {exc}", file=sys.stderr)
         return 2
-    result = compare(old, new, tolerance)
+    result = diff_reports(old, new, tolerance)
     for line in diff_table(result):
         print(line)
     if args.markdown is not None:

@@ -12,9 +12,10 @@ from typing import Callable
 from .config.settings import Settings
 from .config.spec import Spec
 from .judging import growth as growth_mod
+from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
 from .judging.explain import config_provenance, provenance_diff, timeline_lines
-from .judging.record import BaselineChange, TestRecord, build
+from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
 from .launching.runner import SizeRun, TestRun
 from .oneflow import boxing
@@ -64,7 +65,7 @@ class Gate:
         spec = test.spec
         test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
         problems = list(test.problems)
-        cause = "crash" if problems else None  # the first problem's kind is the test's cause
+        cause: Cause | None = "crash" if problems else None  # the first problem's kind is the test's cause
         notes = [note for run in test.runs for note in run.notes]
         notes += [note for result in test.results for note in result.sites_notes]
         warnings: list[str] = []
@@ -252,7 +253,7 @@ def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
     if "baseline" in kinds and entry is not None and entry.sites:
         return _against_baseline(entry, new)
     if size > 1 and one is not None and one.sites.get(0):
-        return growth_mod.compare(one.sites[0], new, "nproc=1")
+        return growth_mod.site_growth(one.sites[0], new, "nproc=1")
     if entry is not None and entry.sites:
         return _against_baseline(entry, new)
     return None
@@ -261,7 +262,7 @@ def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
 def _against_baseline(entry: Entry, new: tuple) -> growth_mod.Growth:
     old = from_dicts(entry.sites)
     complete = sum(not s.internal for s in old) < growth_mod.STORED  # else smaller sites were cut
-    return growth_mod.compare(old, new, "the baseline", old_complete=complete)
+    return growth_mod.site_growth(old, new, "the baseline", old_complete=complete)
 
 
 def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],
@@ -364,8 +365,8 @@ def _gated_method(result: SizeResult, rank: int | str) -> str:
     return peak.method if peak is not None else result.methods
 
 
-def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> str:
-    """pytest's word for the test (record.STATUSES); the cause of a failure is decided beside it."""
+def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> Status:
+    """pytest's word for the test; the cause of a failure is decided beside it."""
     if test.skip_reason is not None:
         return "skipped"
     if problems:

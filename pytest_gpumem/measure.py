@@ -26,7 +26,7 @@ from .config.settings import OPTIONS, SettingsError, option, resolve
 from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
 
 if TYPE_CHECKING:
-    from .judging.record import TestRecord
+    from .judging.record import Cause, Status, TestRecord
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 _PYTHON = re.compile(r"^python[\d.]*$")
@@ -158,7 +158,8 @@ def _writable(folder: Path) -> bool:
 
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
-    from .judging.record import build, report_document
+    from .judging.assemble import build
+    from .judging.record import report_document
     from .judging.verdict import judge
     from .launching import scaling
     from .launching.floor_cache import FloorCache
@@ -200,7 +201,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     return 1
 
 
-def _status(skip_reason: str | None, problems: list[str], verdict: Any) -> tuple[str, str | None]:
+def _status(skip_reason: str | None, problems: list[str], verdict: Any) -> tuple[Status, Cause | None]:
     """``measured`` where no limit was given (nothing was judged), ``passed`` where limits held."""
     if skip_reason:
         return "skipped", None

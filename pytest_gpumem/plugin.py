@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .launching.runner import Runner
     from .launching.scaling import Capacity
     from .rankside import protocol
+    from .rankside.protocol import RankState
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
 # and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
@@ -338,9 +339,9 @@ class ParentSide:
             return
         for key, value in report.user_properties:
             if key == _RECORD_KEY:
-                from .judging.record import TestRecord
+                from .judging.record_reader import read_record
 
-                rec = TestRecord.from_json(json.loads(str(value)), report.nodeid)
+                rec = read_record(json.loads(str(value)), report.nodeid)
                 if hasattr(report, "wasxfail"):
                     rec = rec.with_status("xfailed" if report.skipped else "xpassed")
                 elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it
@@ -450,7 +451,7 @@ class RankSide:
                 dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
                 watch.body_ended(dump)
 
-    def _set(self, outcome: str, text: str, error: str = "") -> None:
+    def _set(self, outcome: RankState, text: str, error: str = "") -> None:
         from .rankside import protocol
 
         if self.outcome is None or self.outcome.outcome != "failed":

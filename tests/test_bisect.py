@@ -21,7 +21,10 @@ import psutil
 import pytest
 
 from conftest import TAG_ENV, processes_tagged
-from pytest_gpumem.bisect import _commit, between, search, site_lines
+from pytest_gpumem.bisect.command import _line, last_line
+from pytest_gpumem.bisect.commits import Commit, between, resolve
+from pytest_gpumem.bisect.search import Judge, search, site_lines
+from pytest_gpumem.config.spec import Tolerance
 from pytest_gpumem.judging.record import SizeRecord
 
 GPUMEM = Path(sys.executable).with_name("gpumem")  # the console script, as a user runs it
@@ -149,6 +152,23 @@ def test_skips_next_to_the_answer_leave_a_range():
     assert (last_good, first_bad, skipped) == (0, 3, [1, 2])
 
 
+def test_a_commit_s_growth_reads_the_same_in_its_row_and_in_the_last_line():
+    """Issue 27: the table said +64.2 MiB and the last line +64.1 for the same commit (one against
+    GOOD's 473.40, the other against the last good commit's 473.45, each rounded after subtracting)."""
+    good, first = Commit("a" * 40, "good"), Commit("b" * 40, "grows")
+    judge = Judge(nproc=2, reference=473.40, tolerance=Tolerance(percent=5.0, mib=32.0))
+    verdict, why = judge(537.56, "unused")
+    row = _line("2", first, 537.56, verdict, why, width=10)
+    last = last_line(first, good, 473.40, 537.56, 2, "rank 0")
+    assert (verdict, why) == ("bad", "+64.2 MiB, over the +32.0 allowed")
+    assert "537.6 MiB  bad (+64.2 MiB" in row
+    assert last == (f"first bad commit: {'b' * 40} grows "
+                    "(+64.2 MiB at nproc=2, rank 0: 473.4 -> 537.6 MiB since GOOD aaaaaaaaaa)")
+    # a growth is the difference of the printed figures: 473.44 -> 537.56 reads 473.4 -> 537.6, +64.2
+    assert Judge(2, 473.44, judge.tolerance)(537.56, "")[1].startswith("+64.2 MiB")  # was +64.1
+    assert judge(None, "nproc=2 not measured here") == ("skip", "nproc=2 not measured here")
+
+
 def test_the_commits_searched_are_the_first_parent_history_that_contains_good(tmp_path):
     git(tmp_path, "init", "-q", "-b", "main")
 
@@ -167,7 +187,7 @@ def test_the_commits_searched_are_the_first_parent_history_that_contains_good(tm
     commit("m3")
 
     def subjects(good: str) -> list[str]:
-        return [c.subject for c in between(tmp_path, _commit(tmp_path, good, "GOOD"), _commit(tmp_path, "main", "BAD"))]
+        return [c.subject for c in between(tmp_path, resolve(tmp_path, good, "GOOD"), resolve(tmp_path, "main", "BAD"))]
 
     assert subjects("main~3") == ["m2", "merge", "m3"]  # s1 and s2 are not on the first-parent line
     assert subjects("side~1") == ["merge", "m3"]  # m2 does not contain GOOD

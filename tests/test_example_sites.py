@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.judging.record import load_report
+from pytest_gpumem.judging.record_reader import load_report
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

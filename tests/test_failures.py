@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pytest_gpumem.launching.failures import LaunchContext, RankOutcome, import_hint, problems
+from pytest_gpumem.launching.failures import LaunchContext, import_hint, problems
 from pytest_gpumem.launching.launch import LaunchResult, absolute_pythonpath
+from pytest_gpumem.rankside.protocol import RankResult
 
 
 def ctx(tmp_path: Path, **kw) -> LaunchContext:
@@ -21,9 +22,9 @@ def launch(**kw) -> LaunchResult:
 def test_the_first_failure_leads_the_others_follow_in_order_and_the_stopped_come_last(tmp_path):
     run = launch(end="fail-fast", failed_at={2: 0.5, 0: 0.9}, ended_at={0: 1.0, 2: 0.6}, stopped=frozenset({1}),
                  returncodes={0: 1, 1: -9, 2: 1})
-    outcomes = {0: RankOutcome(0, "failed", "[call] E   ValueError", "ValueError: late"),
-                1: RankOutcome(1, "missing", "killed by SIGKILL"),
-                2: RankOutcome(2, "failed", "[call] E   RuntimeError", "RuntimeError: first")}
+    outcomes = {0: RankResult("failed", "[call] E   ValueError", "ValueError: late"),
+                1: RankResult("missing", "killed by SIGKILL"),
+                2: RankResult("failed", "[call] E   RuntimeError", "RuntimeError: first")}
     found = problems(run, outcomes, ctx(tmp_path))
     assert [text.splitlines()[0] for text in found] == [
         "rank 2 of 3 failed: RuntimeError: first",
@@ -35,7 +36,7 @@ def test_the_first_failure_leads_the_others_follow_in_order_and_the_stopped_come
 def test_a_timeout_names_the_hung_rank_with_its_stack_not_the_one_that_finished(tmp_path):
     run = launch(nproc=2, pids={0: 10, 1: 11}, end="timeout", timed_out=True, duration_s=60.0,
                  stopped=frozenset({1}), ended_at={0: 2.0}, stacks={1: '  File "t.py", line 3 in wait'})
-    found = problems(run, {0: RankOutcome(0, "passed"), 1: RankOutcome(1, "missing", "killed by SIGTERM")},
+    found = problems(run, {0: RankResult("passed"), 1: RankResult("missing", "killed by SIGTERM")},
                      ctx(tmp_path))
     assert found == ["rank 1 of 2 hung: no result when the launch timed out after 60 s at nproc=2 (launcher direct)"
                      "\n--- rank 1 Python stack when the timeout hit ---\n  File \"t.py\", line 3 in wait"]
@@ -43,7 +44,7 @@ def test_a_timeout_names_the_hung_rank_with_its_stack_not_the_one_that_finished(
 
 def test_a_timeout_after_every_rank_reported_says_so(tmp_path):
     run = launch(nproc=1, pids={0: 10}, end="timeout", timed_out=True, stopped=frozenset({0}))
-    (found,) = problems(run, {0: RankOutcome(0, "passed")}, ctx(tmp_path))
+    (found,) = problems(run, {0: RankResult("passed")}, ctx(tmp_path))
     assert found == ("launch timed out after 60 s at nproc=1 (launcher direct); ranks still running after their "
                      "result: [0]")
 
@@ -53,7 +54,7 @@ def test_a_rank_that_never_announced_itself_shows_its_output_and_why(tmp_path):
                                          "'pytest_gpumem.rankside.rank' (ModuleNotFoundError: No module named "
                                          "'pytest_gpumem')\n")
     run = launch(nproc=1, pids={}, returncodes={0: 1}, ended_at={0: 0.1}, pythonpath="/nonexistent")
-    (found,) = problems(run, {0: RankOutcome(0, "missing", "exit code 1")},
+    (found,) = problems(run, {0: RankResult("missing", "exit code 1")},
                         ctx(tmp_path, marker_env={"PYTHONPATH": "/nonexistent"}))
     lines = found.splitlines()
     assert lines[0] == ("rank 0 of 1 ended without a result (exit code 1) before the plugin's rank code started; "
@@ -83,7 +84,7 @@ def test_the_launchers_output_is_shown_once_for_ranks_without_a_log(tmp_path):
     """torchrun that never started its ranks before the timeout: both ranks point at one copy."""
     (tmp_path / "launcher.log").write_text("torchrun: starting\nReceived 15 death signal\n")
     run = launch(nproc=2, launcher="torchrun", pids={}, end="timeout", timed_out=True, launcher_returncode=-9)
-    missing = {r: RankOutcome(r, "missing", "torchrun launcher killed by SIGKILL") for r in (0, 1)}
+    missing = {r: RankResult("missing", "torchrun launcher killed by SIGKILL") for r in (0, 1)}
     text = "\n".join(problems(run, missing, ctx(tmp_path)))
     assert text.count("Received 15 death signal") == 1
     assert text.splitlines()[0] == ("launch timed out after 60 s at nproc=2 (launcher torchrun); no rank had "

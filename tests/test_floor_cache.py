@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.config.spec import Defaults, parse_marker
-from pytest_gpumem.judging.record import build
+from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
 from pytest_gpumem.launching import floor_cache
 from pytest_gpumem.launching.floor_cache import FloorCache, cache_key

@@ -17,10 +17,10 @@ import pytest
 
 from pytest_gpumem import cli
 from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.predict import predict
 from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
 from pytest_gpumem.judging.verdict import BaselineRef, FloorResult, SizeResult, against_reference, judge
-from pytest_gpumem.presentation import outputs
 from pytest_gpumem.sampling import Peak
 
 JUST = 0.01  # MiB
@@ -168,20 +168,20 @@ def report(mib: float, tolerance: str = "5%") -> list[TestRecord]:
     [(1050.0, "unchanged"), (1050.0 + JUST, "regression"), (950.0, "unchanged"), (950.0 - JUST, "improved")],
 )
 def test_diff_edge(new, kind):
-    row = outputs.compare(report(1000.0), report(new)).rows[0]
+    row = report_diff.diff_reports(report(1000.0), report(new)).rows[0]
     assert (row.kind, row.allowance_mib, row.tolerance) == (kind, 50.0, "5%")
 
 
 def test_diff_without_a_tolerance_in_the_record_uses_the_default():
     new = report(1050.0 + JUST, tolerance="")
-    assert outputs.compare(report(1000.0), new).rows[0].kind == "regression"  # 5% = 50 > 32 MiB
-    assert outputs.compare(report(400.0), report(432.0, "")).rows[0].kind == "unchanged"  # 32 MiB > 5%
-    assert outputs.compare(report(400.0), report(432.0 + JUST, "")).rows[0].kind == "regression"
+    assert report_diff.diff_reports(report(1000.0), new).rows[0].kind == "regression"  # 5% = 50 > 32 MiB
+    assert report_diff.diff_reports(report(400.0), report(432.0, "")).rows[0].kind == "unchanged"  # 32 MiB > 5%
+    assert report_diff.diff_reports(report(400.0), report(432.0 + JUST, "")).rows[0].kind == "regression"
 
 
 def test_diff_override_tolerance_edge():
-    assert outputs.compare(report(1000.0), report(1100.0), "10%").rows[0].kind == "unchanged"
-    assert outputs.compare(report(1000.0), report(1100.0 + JUST), "10%").rows[0].kind == "regression"
+    assert report_diff.diff_reports(report(1000.0), report(1100.0), "10%").rows[0].kind == "unchanged"
+    assert report_diff.diff_reports(report(1000.0), report(1100.0 + JUST), "10%").rows[0].kind == "regression"
 
 
 @pytest.mark.parametrize("new, code", [(1050.0, 0), (1050.0 + JUST, 1)])

@@ -10,7 +10,7 @@ import pytest
 from fake_nvml import FakeGpu, FakeNvml, Snap, uuid
 
 from pytest_gpumem.config.spec import Defaults, parse_marker
-from pytest_gpumem.judging.record import build
+from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
 from pytest_gpumem.launching.gpus import GpuPlanner
 from pytest_gpumem.launching.runner import Runner

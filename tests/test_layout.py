@@ -8,7 +8,8 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
     presentation  renderers of the record
-    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands)
+    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands;
+                  bisect is a package: its search, its commits, its worktree steps, the command)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
 TOP = {"plugin", "gate", "cli", "measure", "bisect"}
+COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
     # the one option table names the rank side's environment switches (their names: strings)
@@ -51,7 +53,8 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE)
+MODULES = sorted(p for p in PACKAGE.rglob("*.py")
+                 if p.parent != PACKAGE and p.relative_to(PACKAGE).parts[0] not in COMMAND_PACKAGES)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -64,6 +67,51 @@ def test_each_layer_imports_only_the_layers_below_it(path: Path):
         f"move the shared code down, or pass it in")
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports, anywhere in it (functions and type checks too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return (found & known) - {name}
+
+
+def test_no_module_of_the_package_imports_itself_through_others():
+    """No import cycle, lazy imports included: a cycle means two modules that are one job, or a
+    type in the wrong one (record <-> growth was one)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _module_imports(path, set(paths)) for name, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycle = trail[trail.index(name):] + [name]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
 def test_nothing_below_the_top_level_imports_it():
     for path in MODULES:
         top = _imports(path) & TOP
@@ -71,15 +119,25 @@ def test_nothing_below_the_top_level_imports_it():
 
 
 def test_the_top_level_holds_only_the_entry_points_and_the_gate():
-    assert {p.stem for p in PACKAGE.glob("*.py")} == TOP | {"__init__"}
+    assert {p.stem for p in PACKAGE.glob("*.py")} | COMMAND_PACKAGES == TOP | {"__init__"}
 
 
 def test_the_layer_list_names_every_subpackage():
-    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(LAYERS)
+    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()) == sorted(
+        LAYERS + sorted(COMMAND_PACKAGES))
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_PACKAGES))
+def test_a_command_package_imports_no_other_top_level_module(name: str):
+    for path in (PACKAGE / name).rglob("*.py"):
+        assert not _imports(path) & (TOP - {name}), f"{path.relative_to(PACKAGE)} imports a top-level module"
 
 
 def test_only_the_cli_imports_the_commands():
     assert {"measure", "bisect"} <= _imports(PACKAGE / "cli.py")
     for path in PACKAGE.glob("*.py"):
         if path.stem != "cli":
+            assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent != PACKAGE and path.relative_to(PACKAGE).parts[0] not in COMMAND_PACKAGES:
             assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"

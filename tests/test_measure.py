@@ -14,7 +14,7 @@ import pytest
 
 from conftest import TAG_ENV, processes_tagged
 from pytest_gpumem import measure
-from pytest_gpumem.judging.record import load_report
+from pytest_gpumem.judging.record_reader import load_report
 
 pytestmark = pytest.mark.slow
 

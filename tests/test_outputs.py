@@ -19,8 +19,11 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import cli
-from pytest_gpumem.judging.record import CheckRecord, Limits, RankPeak, SizeRecord, TestRecord, load_report
+from pytest_gpumem.judging import report_diff
+from pytest_gpumem.judging.record import CheckRecord, Limits, SizeRecord, TestRecord
+from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.presentation import outputs, plots
+from pytest_gpumem.sampling import Peak
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
 REAL_SCHEMA1 = Path(__file__).parent / "data" / "record_torch_ddp_schema1.json"
@@ -34,7 +37,7 @@ def size(nproc: int, gated: float | None, baseline: float | None = None, *, rati
     check = CheckRecord("max_ratio", not failed, gated, 1000.0, "over the ratio limit" if failed else "within it")
     return SizeRecord(nproc=nproc, device=device, gated_rank=rank,
                       gated_label=f"rank {rank}" + (" (largest)" if largest else ""), gated_mib=gated,
-                      ranks={r: RankPeak(gated, method) for r in range(nproc)}, checks=(check,), ratio=ratio,
+                      ranks={r: Peak(gated, method) for r in range(nproc)}, checks=(check,), ratio=ratio,
                       baseline_mib=baseline, others_max_mib=gated, duration_s=1.0, reused=reused,
                       timeline=((0.0, {0: 10.0}), (0.5, {0: gated or 0.0})))
 
@@ -95,10 +98,10 @@ def test_markdown_delta_against_baseline_and_ratio():
     assert "| 530.0 (rank 0, gpu) | 500.0 | +30.0 MiB (+6.0%) | 1.06x | ✅ passed |" in row
     row = next(line for line in text.splitlines() if "test_fail` | 8 |" in line)
     assert "+1550.0 MiB (+140.9%)" in row and "2.65x" in row
-    assert outputs.format_delta(outputs.delta(480.0, 500.0)) == "-20.0 MiB (-4.0%)"
+    assert outputs.format_delta(report_diff.delta(480.0, 500.0)) == "-20.0 MiB (-4.0%)"
     assert outputs.format_delta((-0.004, -0.001)) == "+0.0 MiB (+0.0%)"  # unchanged, not a "-0.0" drop
-    assert outputs.delta(10.0, 0.0) == (10.0, None)  # no percentage of zero
-    assert outputs.delta(10.0, None) is None
+    assert report_diff.delta(10.0, 0.0) == (10.0, None)  # no percentage of zero
+    assert report_diff.delta(10.0, None) is None
 
 
 def test_markdown_lists_messages_under_their_cause_with_continuation_lines_indented():
@@ -259,7 +262,7 @@ def test_compare_classifies_every_size():
         rec("t::moved", "passed", size(1, 500.0, device="gpu")),
         rec("t::crash", "failed/crash", size(1, None)),
     ]
-    diff = outputs.compare(old, new)
+    diff = report_diff.diff_reports(old, new)
     kinds = {(r.test, r.nproc): r.kind for r in diff.rows}
     assert kinds == {
         ("t::grew", 1): "regression", ("t::within", 1): "unchanged", ("t::shrank", 1): "improved",
@@ -277,9 +280,9 @@ def test_compare_classifies_every_size():
 def test_compare_tolerance_is_the_tests_own_unless_overridden():
     old, new = ([rec("t::a", "passed", size(1, 100.0), tolerance="1%")],
                 [rec("t::a", "passed", size(1, 110.0), tolerance="1%")])
-    assert outputs.compare(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
-    assert outputs.compare(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
-    assert outputs.compare(old, new, "5%").rows[0].kind == "regression"
+    assert report_diff.diff_reports(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
+    assert report_diff.diff_reports(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
+    assert report_diff.diff_reports(old, new, "5%").rows[0].kind == "regression"
 
 
 def write_report(path: Path, records: list[dict[str, Any]]) -> Path:
@@ -377,7 +380,7 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
     assert ("  - peak sites that grew since nproc=1: `+256.0 MiB  examples/a.py:57 train_step  (new)`, "
             "`+100.0 MiB  examples/a.py:60 train_step  (new)`, `+20.0 MiB  examples/a.py:61 train_step  (new)`") in text
     assert "a.py:62" not in text
-    diff = outputs.compare([rec("t/a.py::test_x", "passed", old_size)], [failing])
+    diff = report_diff.diff_reports([rec("t/a.py::test_x", "passed", old_size)], [failing])
     assert diff.regressions[0].sites[:2] == ("+256.0 MiB  examples/a.py:57 train_step  (new)",
                                              "+100.0 MiB  examples/a.py:60 train_step  (new)")
     table = outputs.diff_table(diff)
@@ -398,7 +401,7 @@ def test_the_allocator_figure_is_in_every_output():
     assert props["gpumem_nproc1_allocated_mib"] == "7765.06" and props["gpumem_nproc1_allocated_baseline_mib"]
     series = {b["name"]: b["value"] for b in outputs.benchmark_json([old])}
     assert series["t/f.py::test_fsdp nproc=1 rank 0 allocated"] == 7765.06
-    diff = outputs.compare([old], [new])
+    diff = report_diff.diff_reports([old], [new])
     assert [(r.figure, r.kind) for r in diff.rows] == [("allocated", "regression"), ("", "unchanged")]
     assert any("1 allocated" in line and "REGRESSION" in line for line in outputs.diff_table(diff))
 
@@ -443,20 +446,20 @@ def test_a_rank_shown_by_its_resident_memory_is_labelled_so_in_the_table():
     from pytest_gpumem.presentation.report import table
 
     stopped = dataclasses.replace(size(2, 78.8, device="cpu", method="live allocations (memray)"),
-                                  ranks={0: RankPeak(78.8, "high-water mark (no allocation peak reported)"),
-                                         1: RankPeak(13.2, "live allocations (memray)")}, others_max_mib=13.2)
+                                  ranks={0: Peak(78.8, "high-water mark (no allocation peak reported)"),
+                                         1: Peak(13.2, "live allocations (memray)")}, others_max_mib=13.2)
     lines = table([rec("t::raises", "failed/crash", stopped)])
     row = next(line for line in lines if line.startswith("t::raises"))
     assert "78.8 (rank 0, VmHWM)" in row and "13.2 " in row and "13.2 VmHWM" not in row
     assert any(line.startswith("VmHWM: a rank that ended without reporting") for line in lines)
-    bystander = dataclasses.replace(stopped, ranks={0: RankPeak(13.0, "live allocations (memray)"),
-                                                    1: RankPeak(78.8, "high-water mark (no allocation peak reported)")},
+    bystander = dataclasses.replace(stopped, ranks={0: Peak(13.0, "live allocations (memray)"),
+                                                    1: Peak(78.8, "high-water mark (no allocation peak reported)")},
                                     gated_mib=13.0, others_max_mib=78.8)
     row = next(line for line in table([rec("t::raises", "failed/crash", bystander)]) if line.startswith("t::raises"))
     assert "13.0 (rank 0)" in row and "78.8 VmHWM" in row
-    ranks = {0: RankPeak(13.0, "live allocations (memray)"),
-             1: RankPeak(5.0, "high-water mark (no allocation peak reported)"),
-             2: RankPeak(13.2, "live allocations (memray)")}
+    ranks = {0: Peak(13.0, "live allocations (memray)"),
+             1: Peak(5.0, "high-water mark (no allocation peak reported)"),
+             2: Peak(13.2, "live allocations (memray)")}
     # the resident rank is not the one "others max" shows
     smaller = dataclasses.replace(bystander, nproc=3, ranks=ranks, others_max_mib=13.2)
     row = next(line for line in table([rec("t::raises", "failed/crash", smaller)]) if line.startswith("t::raises"))
@@ -485,7 +488,7 @@ def test_a_failure_just_over_its_baseline_reads_apart_in_the_table_and_the_markd
     """The failure text prints 505.44 > 505.38: the session's table and the Markdown print the same
     figures, not 505.4 and 505.4."""
     from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
-    from pytest_gpumem.judging.record import build
+    from pytest_gpumem.judging.assemble import build
     from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
     from pytest_gpumem.presentation.report import table
     from pytest_gpumem.sampling import Peak

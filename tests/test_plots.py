@@ -13,12 +13,12 @@ from pytest_gpumem.judging.record import (
     AllocatedRecord,
     CheckRecord,
     Limits,
-    RankPeak,
     SizeRecord,
     TestRecord,
-    load_report,
 )
+from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.presentation import plots
+from pytest_gpumem.sampling import Peak
 
 pytest.importorskip("matplotlib")
 # Loaded before pytester's runs, which unload whatever a run imported: matplotlib must stay whole.
@@ -88,7 +88,7 @@ def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
               CheckRecord("baseline", False, 7905.0, 7803.9, "", "allocated"))
     size = SizeRecord(
         nproc=1, device="gpu", gated_rank=0, gated_label="rank 0", gated_mib=14370.0,
-        ranks={0: RankPeak(14370.0, "per-pid sampled")}, checks=checks,
+        ranks={0: Peak(14370.0, "per-pid sampled")}, checks=checks,
         timeline=((0.0, {0: 612.0}), (1.0, {0: 14370.0}), (2.0, {0: 14000.0})),
         allocated_ranks={0: AllocatedRecord(7905.0, 12876.0)}, allocated_mib=7905.0, allocated_baseline_mib=7765.1,
         live_timeline=((0.5, {0: 100.0}), (1.1, {0: 7905.0}), (1.9, {0: 2000.0})))
@@ -115,8 +115,8 @@ def newcomer_size() -> SizeRecord:
     live = tuple((t / 10, {0: 473.0 + 65.0 * (t == 10), 1: 473.0 + 65.0 * (t == 10)}) for t in range(18))
     rss = tuple((t / 10, {0: 600.0 + 30.0 * t, 1: 600.0 + 30.0 * t}) for t in range(21))
     return SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=538.0,
-                      ranks={0: RankPeak(538.0, "live allocations (memray)"),
-                             1: RankPeak(538.0, "live allocations (memray)")},
+                      ranks={0: Peak(538.0, "live allocations (memray)"),
+                             1: Peak(538.0, "live allocations (memray)")},
                       checks=checks, baseline_mib=544.0, timeline=rss, live_timeline=live)
 
 

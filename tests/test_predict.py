@@ -9,6 +9,8 @@ import math
 import pytest
 
 from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.judging import report_diff
+from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.predict import (
     FLAT,
     LINEAR,
@@ -20,7 +22,6 @@ from pytest_gpumem.judging.predict import (
     loo_error,
     predict,
 )
-from pytest_gpumem.judging.record import build
 from pytest_gpumem.judging.verdict import SizeResult, judge
 from pytest_gpumem.launching.scaling import Capacity, plan
 from pytest_gpumem.sampling import Peak
@@ -302,15 +303,14 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
 
 
 def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
-    from pytest_gpumem.presentation import outputs
 
     predicted = _predicted_record()
     measured = dataclasses.replace(predicted, sizes=(*predicted.sizes[:-1], dataclasses.replace(
         predicted.sizes[-1], prediction=None, gated_mib=600.0)))
-    kinds = {(r.test, r.nproc): r.kind for r in outputs.compare([measured], [predicted]).rows}
+    kinds = {(r.test, r.nproc): r.kind for r in report_diff.diff_reports([measured], [predicted]).rows}
     assert kinds[("t/p.py::test_grows", 8)] == "predicted on one side"
     assert kinds[("t/p.py::test_grows", 4)] == "unchanged"
-    assert outputs.compare([predicted], [predicted]).rows[-1].kind == "unchanged"  # fit against fit
+    assert report_diff.diff_reports([predicted], [predicted]).rows[-1].kind == "unchanged"  # fit against fit
 
 
 def test_on_a_gpu_the_part_above_the_floor_is_fitted_and_the_floor_added_back():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import (
     SCHEMA,
     AllocatedRecord,
@@ -16,16 +17,14 @@ from pytest_gpumem.judging.record import (
     CheckRecord,
     FloorRecord,
     Limits,
-    RankPeak,
     ReportError,
     SiteChange,
     SizeRecord,
     TestRecord,
-    load_report,
-    parse_report,
     report_document,
 )
-from pytest_gpumem.presentation import outputs
+from pytest_gpumem.judging.record_reader import load_report, parse_report
+from pytest_gpumem.sampling import Peak
 
 DATA = Path(__file__).parent / "data"
 
@@ -33,7 +32,7 @@ DATA = Path(__file__).parent / "data"
 def full_record() -> TestRecord:
     size = SizeRecord(
         nproc=2, device="gpu", gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
-        ranks={0: RankPeak(800.0, "per-pid sampled"), 1: RankPeak(812.5, "per-pid sampled"), 2: RankPeak(None, "")},
+        ranks={0: Peak(800.0, "per-pid sampled"), 1: Peak(812.5, "per-pid sampled"), 2: Peak(None, "")},
         checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib",
                             "device"),
                 CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline",
@@ -97,7 +96,7 @@ def test_a_schema_1_report_reads_with_its_gated_rank_and_failures():
     assert size.gated_method == "high-water mark"
     # and gpumem diff compares it with a report of this schema: the same sizes, a number each
     new = load_report(DATA / "record_torch_ddp.json")
-    rows = outputs.compare(old, new).rows
+    rows = report_diff.diff_reports(old, new).rows
     assert {(r.test, r.nproc) for r in rows} == {(r.test, s.nproc) for r in new for s in r.sizes}
     assert all(r.old_mib is not None and r.new_mib is not None for r in rows)
 

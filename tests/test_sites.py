@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.judging.growth import compare, steady, stored_sites
+from pytest_gpumem.judging.growth import site_growth, steady, stored_sites
 from pytest_gpumem.sampling import MiB
 from pytest_gpumem.sampling.sites import NATIVE, Site, fold, from_dicts, group, is_internal, memray_sites, thin
 from pytest_gpumem.sampling.torch_history import replay
@@ -101,7 +101,7 @@ def test_growth_lists_what_grew_largest_first_and_sums_the_rest():
            site("(framework internals)", 10.0, "", True)]
     eight = [site("t.py:57", 256.0, "gather"), site("t.py:5", 128.0, "batch"), site("t.py:9", 21.0, "model"),
              site("t.py:20", 3.0, "opt"), site("(framework internals)", 14.5, "", True)]
-    grown = compare(one, eight, "nproc=1")
+    grown = site_growth(one, eight, "nproc=1")
     assert grown.lines() == [
         "+256.0 MiB  t.py:57 gather  (new)",
         "+3.0 MiB  t.py:20 opt  (new)",
@@ -112,7 +112,7 @@ def test_growth_lists_what_grew_largest_first_and_sums_the_rest():
 def test_against_a_baseline_that_kept_only_its_top_sites_a_missing_site_is_not_called_new():
     stored = [site("t.py:5", 128.0), site("t.py:9", 40.0)]
     now = [site("t.py:5", 128.0), site("t.py:9", 40.0), site("t.py:30", 42.0, "g")]
-    grown = compare(stored, now, "the baseline", old_complete=False)
+    grown = site_growth(stored, now, "the baseline", old_complete=False)
     assert [c.line() for c in grown.grown] == ["+2.0 MiB  t.py:30 g"]  # it may have been just below 40
 
 
@@ -121,12 +121,12 @@ def test_a_site_whose_line_moved_with_an_edit_above_it_is_the_same_site():
     not a new site beside a shrunk one; a second candidate in the same function is ambiguous."""
     stored = [site("t.py:55", 258.0, "_train"), site("t.py:29", 11.8, "<module>")]
     now = [site("t.py:64", 258.4, "_train"), site("t.py:38", 11.8, "<module>")]
-    assert compare(stored, now, "the baseline").lines() == ["(1 smaller site +0.4 MiB)"]
+    assert site_growth(stored, now, "the baseline").lines() == ["(1 smaller site +0.4 MiB)"]
     grew = [site("t.py:64", 386.0, "_train"), site("t.py:38", 11.8, "<module>")]
-    assert compare(stored, grew, "the baseline").lines()[0] == "+128.0 MiB  t.py:64 _train"
+    assert site_growth(stored, grew, "the baseline").lines()[0] == "+128.0 MiB  t.py:64 _train"
     two = [site("t.py:64", 258.0, "_train"), site("t.py:70", 64.0, "_train")]
     stored_two = [site("t.py:55", 258.0, "_train"), site("t.py:61", 64.0, "_train")]
-    assert [c.line() for c in compare(stored_two, two, "the baseline").grown] == [
+    assert [c.line() for c in site_growth(stored_two, two, "the baseline").grown] == [
         "+258.0 MiB  t.py:64 _train  (new)", "+64.0 MiB  t.py:70 _train  (new)"]
 
 
@@ -210,7 +210,7 @@ def test_a_site_carries_the_user_frames_above_it_shown_never_compared():
     assert from_dicts([grouped[0].as_dict()])[0].callers == grouped[0].callers
     stored = stored_sites(grouped)
     assert set(stored[0]) == {"where", "function", "detail", "mib", "count", "internal"}
-    grown = compare(from_dicts(stored), [replace(grouped[0], mib=136.0)], "the baseline")
+    grown = site_growth(from_dicts(stored), [replace(grouped[0], mib=136.0)], "the baseline")
     assert grown.lines() == ["+64.0 MiB  tinylm/model.py:18 forward (forward)",
                              "             called from train.py:25 train",
                              "             called from test_lm.py:9 test_train (and 1 other call chain)"]

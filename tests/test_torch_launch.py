@@ -246,7 +246,7 @@ def test_lm():
     assert re.match(r"\s*\+3\d\.\d MiB  ", lines[at]), lines[at]  # two more steps of 16 MiB at nproc=2
     assert lines[at + 1].strip() == f"called from {caller}", lines[at:at + 3]
     assert lines[at + 2].strip() == f"called from test_lm.py:{line_of(test, 'train(Tiny()')} test_lm", lines[at:at + 3]
-    from pytest_gpumem.judging.record import load_report
+    from pytest_gpumem.judging.record_reader import load_report
 
     record = load_report(pytester.path / "report.json")[0]
     assert record.grown_sites[0].label.startswith(forward)

@@ -52,7 +52,7 @@ class Growth:
         return lines + ([f"({summary})"] if summary else [])
 
 
-def compare(old: Sequence[Site], new: Sequence[Site], against: str, old_complete: bool = True) -> Growth:
+def site_growth(old: Sequence[Site], new: Sequence[Site], against: str, old_complete: bool = True) -> Growth:
     """Sites of ``new`` against ``old``. ``old_complete=False`` (a baseline keeps only its top sites):
     a site absent from ``old`` is compared with the smallest stored one, not with nothing."""
     before = {s.key: s for s in old if not s.internal}

@@ -7,7 +7,7 @@ Every failed check says the limit, the measured value, the unit, the rank and th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from ..config.spec import Spec, Tolerance
 from ..sampling import AllocatedPeak, Peak
@@ -155,7 +155,10 @@ def mib(value: float, digits: int = DIGITS) -> str:
     return f"{value:.{digits}f}"
 
 
-def against_reference(measured_mib: float, reference_mib: float, tolerance: Tolerance) -> tuple[str, float]:
+Drift = Literal["regression", "improved", "unchanged"]  # a figure against its reference (against_reference)
+
+
+def against_reference(measured_mib: float, reference_mib: float, tolerance: Tolerance) -> tuple[Drift, float]:
     """The one drift rule, for the baseline gate and for ``gpumem diff``: ``(kind, allowance)``.
 
     ``regression`` when measured > reference + allowance, ``improved`` when measured <

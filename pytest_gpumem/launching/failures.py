@@ -17,18 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..rankside.protocol import RankResult
 from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    rank: int
-    outcome: str  # passed | failed | skipped | missing
-    text: str = ""
-    error: str = ""  # a failed test's error in one line ("RuntimeError: boom")
 
 
 def who(launch: LaunchResult, rank: int) -> str:
@@ -58,7 +51,7 @@ class LaunchContext:
     fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S
 
 
-def problems(launch: LaunchResult, outcomes: Mapping[int, RankOutcome], ctx: LaunchContext) -> list[str]:
+def problems(launch: LaunchResult, outcomes: Mapping[int, RankResult], ctx: LaunchContext) -> list[str]:
     """Every problem of one launch, the first failure first (see the module's docstring)."""
     failures: list[tuple[float, int, str]] = []
     stopped: list[int] = []
@@ -131,7 +124,7 @@ def _hung(launch: LaunchResult, rank: int, ctx: LaunchContext) -> str:
     return text
 
 
-def _failed(launch: LaunchResult, rank: int, outcome: RankOutcome, ctx: LaunchContext,
+def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchContext,
             launcher_shown: bool = False) -> tuple[str, bool]:
     """The text of one rank that failed or ended without a result; and whether it shows the
     launcher's output (shown once: with the first rank that left no log of its own)."""

@@ -129,7 +129,7 @@ def cuda_initialized(maps: Path = Path("/proc/self/maps")) -> bool:
     return lib.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
 
 
-# What the launch's signal guard answers (launch._SignalGuard): held, not handled, while a rank is forked.
+# What the launch's signal guard answers (signal_guard.SignalGuard): held, not handled, while a rank is forked.
 _HELD = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 

@@ -17,13 +17,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import psutil
 
@@ -33,6 +31,7 @@ from ..rankside.simulate import SIMULATE_ENV
 from . import forking
 from .leases import LeaseError
 from .ports import PortError, PortLease, default_port_dir, lease_port
+from .signal_guard import FatalSignal, SignalGuard
 
 # Variables a launcher sets per rank; inherited values from an outer job would confuse it.
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -216,7 +215,7 @@ class Launch:
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command,
                               pythonpath=env.get("PYTHONPATH"), port=port, port_note=note)
         start = time.monotonic()
-        guard = _SignalGuard()
+        guard = SignalGuard()
         try:
             guard.arm()
             if req.launcher == "direct":
@@ -237,7 +236,7 @@ class Launch:
             else:
                 self._spawn(command, env, req.workdir / "launcher.log")
             self._supervise(result, start)
-        except _FatalSignal as exc:
+        except FatalSignal as exc:
             guard.held.append(exc.signum)  # raised again once the launch's processes are gone
         finally:
             guard.hold()
@@ -501,73 +500,6 @@ class Launch:
             result.returncodes = {rank: code for rank, code in enumerate(codes) if code is not None}
         else:
             result.launcher_returncode = codes[0] if codes else None
-
-
-class _FatalSignal(BaseException):
-    """SIGTERM or SIGHUP reached pytest mid-launch (SIGINT arrives as KeyboardInterrupt)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _SignalGuard:
-    """pytest must not die, nor be cut short by a second Ctrl-C, before the launch's processes are gone.
-
-    The ranks run in sessions of their own, so what is sent to pytest's process group (a terminal's
-    Ctrl-C, the SIGTERM of a CI runner or of ``timeout``) never reaches them. While a launch runs,
-    SIGTERM and SIGHUP whose action is still the default (die on the spot, no cleanup) raise an
-    exception instead, like SIGINT does; from the first such signal until every process is killed
-    (a few seconds at most) these signals are held. Then the old handlers come back and each held
-    signal is raised again: pytest ends as it would have, without orphans. Python only lets the
-    main thread set handlers; elsewhere the guard does nothing.
-    """
-
-    _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-    def __init__(self) -> None:
-        self._main = threading.current_thread() is threading.main_thread()
-        self._saved: dict[int, Any] = {}  # signal number -> the handler found
-        self._holding = False
-        self.held: list[int] = []
-
-    def _set(self, sig: int, handler: Any) -> None:
-        if sig not in self._saved and signal.getsignal(sig) is None:
-            return  # a handler installed from C: Python could not put it back, leave it alone
-        old = signal.signal(sig, handler)
-        self._saved.setdefault(sig, old)
-
-    def arm(self) -> None:
-        if not self._main:
-            return
-        for sig in self._SIGNALS:
-            now = signal.getsignal(sig)
-            if now is (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL):
-                self._set(sig, self._interrupt)
-
-    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
-        self.hold()  # a second signal must not cut the cleanup short
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise _FatalSignal(signum)
-
-    def hold(self) -> None:
-        if self._main and not self._holding:
-            self._holding = True
-            for sig in self._SIGNALS:
-                self._set(sig, lambda signum, frame: self.held.append(signum))
-
-    def release(self, before_dying: Callable[[], None] = lambda: None) -> None:
-        if not self._main:
-            return
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-        self._saved.clear()
-        held = list(dict.fromkeys(self.held))
-        if any(signal.getsignal(sig) == signal.SIG_DFL for sig in held):
-            before_dying()
-        for sig in held:
-            signal.raise_signal(sig)  # SIG_DFL: pytest ends by that signal; SIGINT: KeyboardInterrupt
 
 
 _HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",

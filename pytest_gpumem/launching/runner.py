@@ -35,7 +35,6 @@ from ..sampling.host import HostSampler
 from ..sampling.identity import platform_key, simulated_key
 from ..sampling.sites import Site, from_dicts
 from . import failures, slurm
-from .failures import RankOutcome
 from .floor import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
 from .gpus import GpuPlan, GpuPlanner
@@ -49,7 +48,7 @@ class SizeRun:
 
     result: SizeResult
     launch: LaunchResult
-    outcomes: dict[int, RankOutcome]
+    outcomes: dict[int, protocol.RankResult]
     problems: list[str] = field(default_factory=list)
     provenance: dict[str, str] = field(default_factory=dict)
     gpu_problems: list[str] = field(default_factory=list)
@@ -517,22 +516,22 @@ class Runner:
         return run
 
     def _outcomes(self, spec: Spec, nproc: int, launch: LaunchResult,
-                  exited: set[int]) -> dict[int, RankOutcome]:
-        outcomes: dict[int, RankOutcome] = {}
+                  exited: set[int]) -> dict[int, protocol.RankResult]:
+        outcomes: dict[int, protocol.RankResult] = {}
         for rank in range(nproc):
             code = launch.returncodes.get(rank)
             reported = launch.results.get(rank)  # read by the launch, once
             if spec.body_mode:
                 if reported is not None:
-                    outcomes[rank] = RankOutcome(rank, reported.outcome, reported.text, reported.error)
+                    outcomes[rank] = reported
                     continue
             elif rank in exited and code in (None, 0) and launch.launcher_returncode in (None, 0):
-                outcomes[rank] = RankOutcome(rank, "passed")
+                outcomes[rank] = protocol.RankResult("passed")
                 continue
             elif rank in exited and (code or launch.launcher_returncode):
-                outcomes[rank] = RankOutcome(rank, "failed", _exit_text(launch, rank))
+                outcomes[rank] = protocol.RankResult("failed", _exit_text(launch, rank))
                 continue
-            outcomes[rank] = RankOutcome(rank, "missing", _exit_text(launch, rank))
+            outcomes[rank] = protocol.RankResult("missing", _exit_text(launch, rank))
         return outcomes
 
     def _problems(self, spec: Spec, run: SizeRun, workdir: Path) -> list[str]:
@@ -598,7 +597,7 @@ def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
         peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
         rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
         nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline))
-    run.outcomes = {ranks[slot]: replace(o, rank=ranks[slot]) for slot, o in run.outcomes.items() if slot < len(ranks)}
+    run.outcomes = {ranks[slot]: o for slot, o in run.outcomes.items() if slot < len(ranks)}
     who = ", ".join(f"process {slot} = rank {rank}" for slot, rank in enumerate(ranks))
     run.problems = [f"{p}\n(a simulated world of {world}: {who})" for p in run.problems]
     return run

@@ -1,5 +1,5 @@
 """CI gate outputs rendered from the typed per-test records: Markdown, benchmark JSON, JUnit
-properties, ``gpumem diff``.
+properties, and the table of ``gpumem diff`` (judged in :mod:`..judging.report_diff`).
 
 Plain functions over :class:`~pytest_gpumem.judging.record.TestRecord` (no pytest import): the same
 code serves the pytest session, the ``gpumem diff`` command and a report loaded back from disk.
@@ -8,14 +8,10 @@ code serves the pytest session, the ``gpumem diff`` command and a report loaded 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from ..config.spec import Tolerance, parse_tolerance
-from ..judging.growth import compare as compare_sites
-from ..judging.record import CAUSES, SizeRecord, TestRecord
-from ..judging.verdict import against_reference
-from ..sampling.sites import from_dicts
+from ..judging.record import CAUSES, TestRecord
+from ..judging.report_diff import DiffRow, ReportDiff, delta
 from .report import floor_split
 
 COMMENT_LIMIT = 60_000  # a GitHub comment holds 65,536 characters; leave room for a header
@@ -39,14 +35,6 @@ def _is_number(value: Any) -> bool:
 
 def _mib(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def delta(new: float | None, old: float | None) -> tuple[float, float | None] | None:
-    """(new - old in MiB, in percent of old); the percentage is None when old is 0."""
-    if not _is_number(new) or not _is_number(old):
-        return None
-    assert new is not None and old is not None
-    return new - old, ((new - old) / old * 100.0 if old else None)
 
 
 def format_delta(change: tuple[float, float | None] | None, digits: int = 1) -> str:
@@ -279,123 +267,6 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------------------------------------
 # `gpumem diff`
-
-
-# Order of a diff's rows: what fails the gate first.
-_KINDS = ("regression", "unmeasured", "device changed", "predicted on one side", "improved", "unchanged", "added",
-          "removed")
-
-
-@dataclass(frozen=True)
-class DiffRow:
-    """One test at one world size, old report vs new."""
-
-    test: str
-    nproc: int
-    old_mib: float | None
-    new_mib: float | None
-    kind: str  # one of _KINDS
-    allowance_mib: float | None = None
-    tolerance: str = ""
-    device: str = ""
-    sites: tuple[str, ...] = ()  # a regression's peak sites that grew, largest first
-    figure: str = ""  # "allocated": the GPU allocator's figure, compared at its own tolerance
-
-    @property
-    def change(self) -> tuple[float, float | None] | None:
-        return delta(self.new_mib, self.old_mib)
-
-
-@dataclass(frozen=True)
-class ReportDiff:
-    rows: tuple[DiffRow, ...]
-
-    @property
-    def regressions(self) -> list[DiffRow]:
-        return [row for row in self.rows if row.kind == "regression"]
-
-    def count(self, kind: str) -> int:
-        return sum(1 for row in self.rows if row.kind == kind)
-
-    def summary(self) -> str:
-        """``1 regression, 3 unchanged, 1 added``; only the kinds present."""
-        parts = [f"{n} {kind}" + ("s" if kind == "regression" and n != 1 else "")
-                 for kind in _KINDS if (n := self.count(kind))]
-        return ", ".join(parts) or "nothing to compare"
-
-
-def _by_size(records: Iterable[TestRecord]) -> dict[tuple[str, int], tuple[TestRecord, SizeRecord]]:
-    return {(rec.test, size.nproc): (rec, size) for rec in records for size in rec.sizes}
-
-
-def _tolerance_of(record: TestRecord, override: Tolerance | None) -> Tolerance:
-    return override if override is not None else parse_tolerance(record.limits.tolerance)
-
-
-def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
-              new: tuple[TestRecord, SizeRecord] | None, override: Tolerance | None) -> DiffRow:
-    test, nproc = key
-    if old is None:
-        assert new is not None
-        return DiffRow(test, nproc, None, new[1].gated_mib, "added", device=new[1].device)
-    if new is None:
-        return DiffRow(test, nproc, old[1].gated_mib, None, "removed", device=old[1].device)
-    (_, old_size), (new_rec, new_size) = old, new
-    old_mib, new_mib, device = old_size.gated_mib, new_size.gated_mib, new_size.device
-    if old_size.device != new_size.device:
-        return DiffRow(test, nproc, old_mib, new_mib, "device changed", device=f"{old_size.device} -> {device}")
-    if old_size.predicted != new_size.predicted:  # a fit is no measurement
-        return DiffRow(test, nproc, old_mib, new_mib, "predicted on one side", device=device)
-    if old_mib is None or new_mib is None:
-        return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
-    tolerance = _tolerance_of(new_rec, override)
-    kind, allowance = against_reference(new_mib, old_mib, tolerance)  # the baseline gate's own rule
-    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
-    return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device, sites)
-
-
-def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
-                   new: tuple[TestRecord, SizeRecord] | None) -> DiffRow | None:
-    """The allocator figure of a GPU size, where both reports have it, at the allocator tolerance."""
-    if old is None or new is None:
-        return None
-    (_, old_size), (new_rec, new_size) = old, new
-    before, after = old_size.allocated_mib, new_size.allocated_mib
-    if before is None or after is None:
-        return None
-    tolerance = parse_tolerance(new_rec.limits.allocated_tolerance)
-    kind, allowance = against_reference(after, before, tolerance)
-    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
-    return DiffRow(key[0], key[1], before, after, kind, allowance, str(tolerance), new_size.device, sites,
-                   "allocated")
-
-
-def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
-    """The gated rank's peak sites that grew from the old report to the new one."""
-    before = old.sites.get(old.gated_rank) if old.gated_rank is not None else None
-    after = new.sites.get(new.gated_rank) if new.gated_rank is not None else None
-    if not before or not after:
-        return ()
-    return tuple(compare_sites(from_dicts(before), from_dicts(after), "old").lines())
-
-
-def compare(old: Iterable[TestRecord], new: Iterable[TestRecord],
-            tolerance: Tolerance | str | None = None) -> ReportDiff:
-    """Per (test, nproc): gated peak old -> new, judged by the baseline gate's rule
-    (:func:`verdict.against_reference`): a regression is new > old + tolerance.allowance(old).
-
-    ``tolerance=None`` uses each test's own tolerance (from the new report), as its baseline check
-    does. Sizes in only one report are ``added``/``removed``; a size whose gated device changed
-    (GPU vs host memory) is not compared, nor one predicted on one side and launched on the other;
-    a size not measured on one side is ``unmeasured``.
-    """
-    override = parse_tolerance(tolerance) if tolerance is not None else None
-    old_sizes, new_sizes = _by_size(old), _by_size(new)
-    keys = set(old_sizes) | set(new_sizes)
-    rows = [_diff_row(key, old_sizes.get(key), new_sizes.get(key), override) for key in keys]
-    rows += [row for key in keys if (row := _allocated_row(key, old_sizes.get(key), new_sizes.get(key)))]
-    rows.sort(key=lambda r: (_KINDS.index(r.kind), r.test, r.nproc, r.figure))
-    return ReportDiff(tuple(rows))
 
 
 def _diff_cells(row: DiffRow) -> tuple[str, ...]:

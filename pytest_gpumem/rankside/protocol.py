@@ -31,7 +31,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 Kind = Literal["hello", "log", "stack", "exit", "result", "body", "config", "boxing", "snapshot", "memray",
                "task"]
@@ -116,10 +116,18 @@ def read_exit(workdir: Path, rank: int) -> ExitReport | None:
 # --------------------------------------------------------------------------------------- result
 
 
+# A rank's test, as its pytest reported it; "missing": the rank wrote no result (the parent's word).
+RankState = Literal["passed", "failed", "skipped", "missing"]
+
+
 @dataclass(frozen=True)
 class RankResult:
-    outcome: str  # passed | failed | skipped
-    text: str = ""  # pytest's report of the rank's failure (or the skip reason)
+    """The outcome of the test in one rank: what its pytest wrote as the ``result`` file, or what the
+    parent made of a rank that wrote none (``missing``; without a body, ``passed`` or ``failed`` by
+    its exit status)."""
+
+    outcome: RankState
+    text: str = ""  # pytest's report of the rank's failure (or the skip reason, or its exit status)
     error: str = ""  # the failure in one line, as pytest's short summary gives it: "RuntimeError: boom"
 
 
@@ -131,7 +139,7 @@ def read_result(workdir: Path, rank: int) -> RankResult | None:
     data = read_json(workdir, rank, "result")
     if not isinstance(data, dict) or "outcome" not in data:
         return None
-    return RankResult(str(data["outcome"]), str(data.get("text", "")), str(data.get("error", "")))
+    return RankResult(cast(RankState, str(data["outcome"])), str(data.get("text", "")), str(data.get("error", "")))
 
 
 # ----------------------------------------------------------------------------------------- body
