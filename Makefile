@@ -93,7 +93,7 @@ dist-check: $(TO)/.ready
 # and the plugin importable (results: benchmarks/results/test_gpu.txt, with the command used).
 GPU_PYTHON ?= $(TO)/bin/python
 test-gpu:
-	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py
+	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py tests/test_gpu_reruns.py
 
 # launcher=srun through a real Slurm: installs Debian's slurm and munge (apt, root), brings up a
 # local cluster of two emulated nodes, runs tests/test_slurm.py inside an allocation of both (none

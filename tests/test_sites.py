@@ -236,3 +236,13 @@ def test_a_gpu_site_from_the_allocator_history_carries_its_callers_too():
     found = replay(shot)
     sites = group([(frames_, size, 1, "") for frames_, size in found.blocks], ROOT)
     assert [(s.label(), s.callers) for s in sites] == [("tinylm/model.py:18 forward (forward)", ("train.py:25 train",))]
+
+
+def test_the_chain_stops_where_the_project_ends(tmp_path):
+    """A rank forked from a pytest that runs pytest in-process (pytester) has the outer harness's
+    frames above the test: they are not the user's chain, and their paths are not the project's."""
+    project, harness = tmp_path / "project", tmp_path / "harness"
+    stack = [("forward", str(project / "model.py"), 10), ("train", str(project / "test_lm.py"), 12),
+             ("_run", str(harness / "test_outer.py"), 77), ("main", str(project / "test_lm.py"), 30)]
+    site = fold(stack, project)
+    assert site.where == "model.py:10" and site.callers == ("test_lm.py:12 train",)

@@ -43,6 +43,7 @@ def test_ini_ratio_default_and_none_turns_it_off():
         ({"nproc": 2.0}, "nproc=2.0"),
         ({"nproc": True}, "nproc=True"),
         ({"max_mib": "lots"}, "max_mib='lots' is not accepted: expected a number"),
+        ({"simulate": True}, "simulate=True is not accepted: expected one of auto, on, off"),
         ({"max_mib": -1}, "expected a number > 0"),
         ({"max_ratio": -1.0}, "max_ratio=-1.0"),
         ({"max_ratio": 0}, "max_ratio=0"),

@@ -4,6 +4,7 @@ and whether it is forked from pytest or exec'd."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -25,6 +26,17 @@ from .launcher import launcher
 EXEC_ASKED = "--gpumem-start=exec"
 NOT_GPU = "not a GPU launch (auto forks those only)"
 QUIET = (None, EXEC_ASKED, NOT_GPU)  # reasons the record does not repeat under start=auto
+# ProcessGroupNCCL keeps each collective's tensors until its watchdog thread sees the collective done,
+# on the thread's own period: a tensor the job frees in between stays counted by the allocator for a
+# while, so an unchanged DDP job's max_memory_allocated read 1601.28 or 1857.33 MiB between runs
+# (benchmarks/gpu/ddp_nccl_spread.py). A blocking wait hands them back at the wait: the figure holds.
+NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def nccl_defaults(gpu: bool, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The GPU ranks' NCCL settings that make the allocator figure reproducible, unless the session
+    sets them itself (a marker's env wins over both)."""
+    return {k: v for k, v in NCCL_DEFAULTS.items() if gpu and k not in environ}
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,8 @@ class RankSetup:
             if plan.sampler is not None:
                 side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)
         track = {TRACK_ENV: "1" if self.tracks_host(spec, plan) else "0"}  # a marker's env wins
-        return {**self.rank_env, **track, **dict(spec.env), **plan.env, **side_env}
+        return {**self.rank_env, **track, **nccl_defaults(plan.sampler is not None), **dict(spec.env), **plan.env,
+                **side_env}
 
     def start_note(self, refused: str | None, refused_at_fork: str | None) -> str | None:
         """Why the ranks were exec'd, where the record says it: always when a fork was asked for;

@@ -14,7 +14,6 @@ own (script mode: the whole program).
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 from ..sampling import MiB
 from ..sampling.sites import Site, group, thin
 from ..sampling.torch_history import replay
+from .imports import after_import
 
 HISTORY_ENTRIES = 200_000  # events kept (a ring): enough for the peak of a few training steps
 
@@ -43,11 +43,7 @@ class TorchAllocator:
 
     def install(self) -> None:
         """Watch for torch: arm the history when it is imported (now, if it already is)."""
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            self._on_torch(torch)
-        else:
-            sys.meta_path.insert(0, _TorchImportWatcher(self))
+        after_import("torch", self._on_torch)
 
     def _on_torch(self, torch: ModuleType) -> None:
         if not self.history:
@@ -142,32 +138,6 @@ class TorchAllocator:
                                     f"{allocated_mib:.1f} MiB (its window holds {HISTORY_ENTRIES} events): "
                                     "sites are those of the largest moment it saw")
         return out
-
-
-class _TorchImportWatcher(importlib.abc.MetaPathFinder):
-    """Steps aside at ``import torch`` and arms the allocator once torch's ``__init__`` ran."""
-
-    def __init__(self, owner: TorchAllocator) -> None:
-        self.owner = owner
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
-            return None
-        import importlib.util
-
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_original, owner = spec.loader.exec_module, self.owner
-
-        def exec_module(module: Any) -> None:
-            exec_original(module)
-            owner._on_torch(module)  # noqa: SLF001
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def _epoch_times(snapshot: Any) -> bool:

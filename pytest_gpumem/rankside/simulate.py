@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
+
+from .imports import after_import
 
 SIMULATE_ENV = "GPUMEM_SIMULATED_RANK"  # "R/W": this process is rank R of a simulated world of W
 
@@ -64,7 +65,7 @@ def _note(text: str) -> None:
 
 def install(where: World) -> None:
     """Arm the stand-in: now where torch is imported already (a forked rank), else at its import."""
-    _after_import("torch", lambda torch: _patch_torch(torch, where))
+    after_import("torch", lambda torch: _patch_torch(torch, where))
     sys.meta_path.insert(0, _Refuse("oneflow", f"OneFlow cannot run as rank {where.rank} of a simulated world "
                                                f"of {where.size}: it has no stand-in communicator. Launch this "
                                                "size for real (simulate='off') on enough GPUs"))
@@ -168,38 +169,7 @@ def _patch_object_collectives(dist: ModuleType, c10d: ModuleType, where: World) 
         setattr(dist, name, fn)
 
 
-# ------------------------------------------------------------------------------------ imports
-
-
-def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
-    """``then(module)`` once ``name`` is imported: now if it is, else right after its ``__init__``."""
-    module = sys.modules.get(name)
-    if module is not None:
-        then(module)
-        return
-    sys.meta_path.insert(0, _Watch(name, then))
-
-
-class _Watch(importlib.abc.MetaPathFinder):
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_original, then = spec.loader.exec_module, self.then
-
-        def exec_module(module: Any) -> None:
-            exec_original(module)
-            then(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+# ------------------------------------------------------------------------------------ OneFlow
 
 
 class _Refuse(importlib.abc.MetaPathFinder):

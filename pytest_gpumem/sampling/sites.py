@@ -151,7 +151,10 @@ def callers(stack: Sequence[Frame], root: Path | None = None) -> tuple[str, ...]
             continue
         if function in _COMPREHENSIONS and j + 1 < len(stack) and stack[j + 1][1] == filename:
             continue  # the enclosing function's frame comes next, at the line that runs the comprehension
-        out.append(f"{short_path(filename, root)}:{line} {function}")
+        where = short_path(filename, root)
+        if root is not None and os.path.isabs(where):
+            break  # above the project (a harness that runs pytest in-process): not the user's chain
+        out.append(f"{where}:{line} {function}")
         if len(out) == CALLERS:
             break
     return tuple(out)
