@@ -44,3 +44,57 @@ def step(every_rank_keeps_global_batch):
     total = batch.sum().to_global(sbp=flow.sbp.broadcast).to_local().numpy()
     assert abs(total - rows * world * 1024) < 1e-3 * total
 '''
+
+
+# torch jobs a simulated world is checked with (test_simulate.py, benchmarks/simulate_validation.py):
+# DDP, FSDP2 (fully_shard per layer and on the model; it runs on CPU with gloo) and the twin of the
+# DDP job that keeps every rank's 16 MiB activation through training (grows with the world).
+TORCH_SIMULATE = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+
+
+def train(net, steps=3):
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(steps):
+        net(torch.ones(64, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def ddp(gather=False):
+    dist.init_process_group("gloo")
+    local = torch.ones(16 * MiB // 4)                 # this rank's activation
+    kept = []
+    if gather:                                              # the regression: every rank keeps every rank's
+        kept = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(kept, local)
+    train(torch.nn.parallel.DistributedDataParallel(model()))
+    assert len(kept) == (dist.get_world_size() if gather else 0)
+    dist.destroy_process_group()
+
+
+def fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    net = model()
+    for layer in net:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    train(net)
+    dist.destroy_process_group()
+
+
+JOBS = {"ddp": ddp, "fsdp2": fsdp2, "twin": lambda: ddp(gather=True)}
+'''

@@ -50,7 +50,7 @@ def world(env: Any = os.environ) -> World | None:
     """The simulated world this process is a rank of, or None in a real launch."""
     text = env.get(SIMULATE_ENV, "")
     rank, sep, size = text.partition("/")
-    if not sep or not rank.isdigit() or not size.isdigit():
+    if not sep or not rank.isdecimal() or not size.isdecimal():  # isdigit takes "²", which int() refuses
         return None
     return World(int(rank), int(size))
 

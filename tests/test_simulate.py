@@ -1,0 +1,144 @@
+"""A simulated world (rankside.simulate) against a real one: the rank's contract, how its figures are
+filed, and on CPU (real gloo launches) that a simulated rank reads what a real rank reads and
+catches the same regression. The sizes 2, 4, 8 side by side: benchmarks/simulate_validation.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jobs import TORCH_SIMULATE
+
+from pytest_gpumem.judging.verdict import SizeResult
+from pytest_gpumem.launching.failures import RankOutcome
+from pytest_gpumem.launching.launch import LaunchRequest, LaunchResult, simulated_env
+from pytest_gpumem.launching.runner import NCCL_DEFAULTS, SizeRun, _as_world, nccl_defaults
+from pytest_gpumem.rankside.simulate import SIMULATE_ENV, World, world
+from pytest_gpumem.sampling import Peak
+
+# |real - simulated| of rank 0's host figure, measured on a loaded 2-core machine: at nproc=2, DDP 0.07
+# and 0.17 MiB, FSDP2 0.12 and 0.02 (benchmarks/results/simulate_validation.txt, then this test); at 4,
+# FSDP2 0.40 (gloo's transient buffers inside the step; the fake group's import keeps 0.08 MiB live).
+# Margin: 5x the largest, an eighth of the 16 MiB the twin grows by a rank.
+MARGIN_MIB = 2.0
+
+
+# ------------------------------------------------------------------------------ the rank's contract
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0/8", World(0, 8)), ("7/8", World(7, 8)), ("3/16", World(3, 16)),
+    ("", None), ("8", None), ("a/8", None), ("0/", None), ("-1/8", None), ("0/8/2", None), (" 0/8", None),
+    ("²/8", None),  # a digit to str.isdigit, not to int()
+])
+def test_world_reads_rank_and_size_and_nothing_else(text, expected):
+    assert world({SIMULATE_ENV: text}) == expected
+    assert world({}) is None
+
+
+def test_world_renders_as_it_is_written():
+    assert str(world({SIMULATE_ENV: "3/8"})) == "3/8"
+
+
+def request(simulated: tuple[int, ...], world_size: int, gpus: int, tmp_path: Path) -> LaunchRequest:
+    return LaunchRequest(launcher="direct", nproc=len(simulated), rank_argv=(), env={}, cwd=tmp_path,
+                         workdir=tmp_path, timeout=10, simulated=simulated, world_size=world_size, gpus=gpus)
+
+
+def test_a_simulated_process_has_its_real_ranks_contract_and_its_own_slot(tmp_path):
+    env = simulated_env(0, request((5,), 8, 1, tmp_path))
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8"  # what the job reads, as in the real world
+    assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"  # the one GPU it holds
+    assert env[SIMULATE_ENV] == "5/8" and world(env) == World(5, 8)
+    assert env["GPUMEM_SLOT"] == "0"  # its files, under its process number
+
+
+def test_rank_all_shares_the_gpus_present_local_rank_indexing_them(tmp_path):
+    req = request(tuple(range(8)), 8, 2, tmp_path)
+    envs = [simulated_env(slot, req) for slot in range(8)]
+    assert [e["RANK"] for e in envs] == [str(r) for r in range(8)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"] * 4  # two GPUs, four ranks on each
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    host = simulated_env(1, request((0, 1), 4, 0, tmp_path))  # host memory: no GPUs (counted as one)
+    assert host["LOCAL_RANK"] == "0" and host["LOCAL_WORLD_SIZE"] == "1" and host[SIMULATE_ENV] == "1/4"
+
+
+# ------------------------------------------------------------------------------ how figures are filed
+
+
+def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_size():
+    result = SizeResult(2, "cpu", {0: Peak(100.0, "m"), 1: Peak(120.0, "m")}, platform="cpu:x86_64",
+                        host_peaks={0: Peak(100.0, "m"), 1: Peak(120.0, "m")}, rss_peaks={0: 1.0, 1: 2.0},
+                        timeline=((0.5, {0: 10.0, 1: 11.0}),))
+    run = SizeRun(result=result, launch=LaunchResult(2, "direct", []),
+                  outcomes={0: RankOutcome(0, "passed"), 1: RankOutcome(1, "failed", error="E")},
+                  problems=["rank 1 failed"])
+    out = _as_world(run, (3, 7), 8).result
+    assert out.world_size == 8 and out.simulated == (3, 7)
+    assert out.platform == "cpu:x86_64 (simulated)"  # never compared with a real launch of that size
+    assert {r: p.mib for r, p in out.peaks.items()} == {3: 100.0, 7: 120.0}
+    assert set(out.host_peaks) == {3, 7} and out.rss_peaks == {3: 1.0, 7: 2.0}
+    assert out.timeline == ((0.5, {3: 10.0, 7: 11.0}),)
+    assert {r: (o.rank, o.outcome) for r, o in run.outcomes.items()} == {3: (3, "passed"), 7: (7, "failed")}
+    assert run.problems == ["rank 1 failed\n(a simulated world of 8: process 0 = rank 3, process 1 = rank 7)"]
+
+
+def test_a_simulated_platform_key_is_marked_once():
+    run = SizeRun(result=SizeResult(1, "gpu", {0: Peak(1.0, "m")}, platform="gpu:NVIDIA H200 (simulated)"),
+                  launch=LaunchResult(1, "direct", []), outcomes={})
+    assert _as_world(run, (0,), 4).result.platform == "gpu:NVIDIA H200 (simulated)"
+
+
+def test_nccl_defaults_only_for_gpu_ranks_and_the_sessions_own_value_wins():
+    assert nccl_defaults(False, {}) == {}
+    assert nccl_defaults(True, {}) == NCCL_DEFAULTS == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert nccl_defaults(True, {"TORCH_NCCL_BLOCKING_WAIT": "0"}) == {}  # the session set it: its own
+    assert nccl_defaults(True, {"OTHER": "1"}) == NCCL_DEFAULTS
+
+
+# ------------------------------------------------------------------------------ real gloo launches
+
+
+def run_jobs(pytester: pytest.Pytester, tests: str, report: Path) -> tuple[pytest.RunResult, dict[str, dict]]:
+    """One session of ``tests`` over the jobs; each test's nproc=2 size from the JSON report."""
+    pytester.makepyfile(test_jobs=TORCH_SIMULATE + tests)
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}")
+    sizes = {t["test"].split("::")[1]: {**t["sizes"][0], "status": t["status"]}
+             for t in json.loads(report.read_text())["tests"]}
+    return result, sizes
+
+
+def both(job: str, limit: str = "") -> str:
+    return "".join(f'''
+@pytest.mark.gpumem(nproc=2, simulate="{mode}"{limit})
+def test_{job}_{"real" if mode == "off" else "simulated"}():
+    JOBS["{job}"]()
+''' for mode in ("off", "on"))
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_simulated_nproc2_reads_the_real_figure_and_catches_the_same_regression(pytester, launch_tag, tmp_path):
+    """DDP and FSDP2 at nproc=2, real gloo vs simulated: rank 0's host figure alike within MARGIN_MIB.
+    Then max_mib halfway between the healthy DDP figure and the twin's (which keeps 2 x 16 MiB more):
+    the healthy job passes and the twin fails, real and simulated."""
+    pytest.importorskip("torch")
+    result, sizes = run_jobs(pytester, both("ddp") + both("fsdp2"), tmp_path / "first.json")
+    result.assert_outcomes(passed=4)
+    for job in ("ddp", "fsdp2"):
+        real, simulated = sizes[f"test_{job}_real"], sizes[f"test_{job}_simulated"]
+        print(f"{job} nproc=2: real {real['gated_mib']:.2f} MiB, simulated {simulated['gated_mib']:.2f} MiB")
+        assert real["simulated"] == [] and simulated["simulated"] == [0]
+        assert real["methods"]["0"] == simulated["methods"]["0"] == "live allocations (memray)"
+        assert abs(real["gated_mib"] - simulated["gated_mib"]) <= MARGIN_MIB
+
+    healthy = max(sizes["test_ddp_real"]["gated_mib"], sizes["test_ddp_simulated"]["gated_mib"])
+    limit = f", max_mib={healthy + 16:.2f}"  # the twin at 2 keeps 32 MiB more
+    result, sizes = run_jobs(pytester, both("ddp", limit) + both("twin", limit), tmp_path / "second.json")
+    print({name: round(size["gated_mib"], 2) for name, size in sizes.items()})
+    result.assert_outcomes(passed=2, failed=2)
+    assert {name: size["status"] for name, size in sizes.items()} == {
+        "test_ddp_real": "passed", "test_ddp_simulated": "passed",
+        "test_twin_real": "failed", "test_twin_simulated": "failed"}
+    result.stdout.fnmatch_lines(["*gpumem: * MiB > * MiB (rank 0, nproc=2*"])
