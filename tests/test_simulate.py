@@ -11,9 +11,10 @@ import pytest
 from jobs import TORCH_SIMULATE
 
 from pytest_gpumem.judging.verdict import SizeResult
-from pytest_gpumem.launching.failures import RankOutcome
 from pytest_gpumem.launching.launch import LaunchRequest, LaunchResult, simulated_env
-from pytest_gpumem.launching.runner import NCCL_DEFAULTS, SizeRun, _as_world, nccl_defaults
+from pytest_gpumem.launching.rank_setup import NCCL_DEFAULTS, nccl_defaults
+from pytest_gpumem.launching.runner import SizeRun, _as_world
+from pytest_gpumem.rankside.protocol import RankResult
 from pytest_gpumem.rankside.simulate import SIMULATE_ENV, World, world
 from pytest_gpumem.sampling import Peak
 
@@ -72,7 +73,7 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
                         host_peaks={0: Peak(100.0, "m"), 1: Peak(120.0, "m")}, rss_peaks={0: 1.0, 1: 2.0},
                         timeline=((0.5, {0: 10.0, 1: 11.0}),))
     run = SizeRun(result=result, launch=LaunchResult(2, "direct", []),
-                  outcomes={0: RankOutcome(0, "passed"), 1: RankOutcome(1, "failed", error="E")},
+                  outcomes={0: RankResult("passed"), 1: RankResult("failed", error="E")},
                   problems=["rank 1 failed"])
     out = _as_world(run, (3, 7), 8).result
     assert out.world_size == 8 and out.simulated == (3, 7)
@@ -80,7 +81,7 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
     assert {r: p.mib for r, p in out.peaks.items()} == {3: 100.0, 7: 120.0}
     assert set(out.host_peaks) == {3, 7} and out.rss_peaks == {3: 1.0, 7: 2.0}
     assert out.timeline == ((0.5, {3: 10.0, 7: 11.0}),)
-    assert {r: (o.rank, o.outcome) for r, o in run.outcomes.items()} == {3: (3, "passed"), 7: (7, "failed")}
+    assert {r: o.outcome for r, o in run.outcomes.items()} == {3: "passed", 7: "failed"}
     assert run.problems == ["rank 1 failed\n(a simulated world of 8: process 0 = rank 3, process 1 = rank 7)"]
 
 
