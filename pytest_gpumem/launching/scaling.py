@@ -56,7 +56,6 @@ class Plan:
 
     launch: Spec  # the spec with only the sizes launched for real (the original when nothing is capped)
     predicted: tuple[int, ...] = ()
-    skip_reason: str | None = None
     simulated: tuple[int, ...] = ()
     unlaunched: tuple[int, ...] = ()  # neither launched, simulated nor predicted: shown, never gated
     why: str = ""  # why sizes were not launched for real (the cap and where it comes from)
@@ -109,8 +108,6 @@ def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, flo
 def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
     """Launch what fits, simulate or predict the sizes above the cap, and show what is left."""
     chosen = plan(spec, capacity)
-    if chosen.skip_reason is not None:
-        return TestRun(test_id, spec, skip_reason=chosen.skip_reason)
     test = runner.run(test_id, chosen.launch)
     test.spec = spec  # the limits and sizes the user asked for, simulated and predicted ones included
     test.unlaunched = {n: chosen.why for n in chosen.unlaunched}
