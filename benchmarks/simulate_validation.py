@@ -101,6 +101,13 @@ def group():
 
 tracked("group", group)                                   # set-up, pairs, a 4 MiB all-reduce
 tracked("all_gather", lambda: dist.all_gather(parts, local))  # N x 16 MiB into tensors the job owns
+flat, shard = torch.ones(2**20), torch.empty(2**20 // world)   # FSDP2's collectives on a 4 MiB layer
+
+def fsdp():
+    dist.all_gather_into_tensor(flat, shard)
+    dist.reduce_scatter_tensor(shard, flat)
+
+tracked("fsdp", fsdp)
 dist.destroy_process_group()
 if os.environ["RANK"] == "0":
     print(json.dumps(peaks))
@@ -225,11 +232,14 @@ def render(doc: dict[str, Any]) -> str:
     if comm:
         lines += ["", "the communicator's own host memory, memray's peak in rank 0 (tensors the job owns allocated "
                   "before tracking): init_process_group + a 4 MiB all_reduce + barrier | all_gather of N x 16 MiB "
-                  "into the job's tensors",
-                  "N  gloo group  fake group  | gloo all_gather  fake all_gather"]
+                  "into the job's tensors "
+                  "| all_gather_into_tensor + reduce_scatter_tensor of a 4 MiB layer (FSDP2's)",
+                  "N  gloo group  fake group  | gloo all_gather  fake all_gather  | gloo FSDP2's  fake FSDP2's"]
         for n, by in sorted(comm.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"{n:<2} {by['gloo']['group']:10.2f}  {by['fake']['group']:10.2f}  | "
-                         f"{by['gloo']['all_gather']:15.2f}  {by['fake']['all_gather']:15.2f}")
+            gloo, fake = by["gloo"], by["fake"]
+            lines.append(f"{n:<2} {gloo['group']:10.2f}  {fake['group']:10.2f}  | {gloo['all_gather']:15.2f}  "
+                         f"{fake['all_gather']:15.2f}  | {gloo.get('fsdp', float('nan')):12.2f}  "
+                         f"{fake.get('fsdp', float('nan')):12.2f}")
     lines += ["", *doc.get("notes", [])]
     return "\n".join(lines) + "\n"
 
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         communicator = communicators(comm_sizes)
         seconds_note = ""
         command = (f".venv-torch/bin/python benchmarks/simulate_validation.py --sizes {args.sizes} "
-                   f"--comm-sizes {args.comm_sizes}" + (" --merge" if args.merge else ""))
+                   f"--comm-sizes {args.comm_sizes or repr('')}" + (" --merge" if args.merge else ""))
         if args.merge and args.out.exists():  # an earlier run's sizes beside these, each run's seconds
             earlier = json.loads(args.out.read_text())
             measured = {**earlier["measured"], **measured}
