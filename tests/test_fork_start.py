@@ -270,8 +270,10 @@ def test_tidy():
 
 # --- The checks themselves, on files made to order --------------------------------------------------
 
-def test_startup_variables_that_differ_from_the_process_start_are_named(tmp_path):
+def test_startup_variables_that_differ_from_the_process_start_are_named(tmp_path, monkeypatch):
     from pytest_gpumem.launching.forking import startup_env_changes
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a plain pytest (an xdist worker: below)
 
     started = tmp_path / "environ"
     started.write_bytes(b"PATH=/bin\0MALLOC_ARENA_MAX=4\0HOME=/h\0")
@@ -284,6 +286,23 @@ def test_startup_variables_that_differ_from_the_process_start_are_named(tmp_path
     del changed["MALLOC_ARENA_MAX"]
     assert startup_env_changes(changed, started) == ["LD_PRELOAD", "MALLOC_ARENA_MAX", "PYTHONPATH"]
     assert startup_env_changes(same, tmp_path / "missing") == ["the environment (unreadable)"]
+
+
+def test_an_xdist_worker_counts_the_library_variables_it_was_given_after_its_start(tmp_path, monkeypatch):
+    """pytest-xdist starts a worker with an almost empty environment, then applies the controller's
+    before anything is imported: OpenBLAS and OpenMP, loaded later, read the applied values."""
+    from pytest_gpumem.launching.forking import startup_env_changes
+
+    started = tmp_path / "environ"
+    started.write_bytes(b"PATH=/bin\0")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.setenv("LD_PRELOAD", "x.so")  # read by the loader at exec: the worker started without it
+    ranks = dict(os.environ)  # the ranks' environment is the worker's, as the launch builds it
+    ranks = {k: v for k, v in ranks.items() if not k.startswith(("PYTHON", "LD_", "MALLOC_", "GLIBC_"))}
+    ranks["LD_PRELOAD"] = "x.so"
+    assert startup_env_changes(ranks, started) == ["LD_PRELOAD"]
+    assert startup_env_changes({**ranks, "OPENBLAS_CORETYPE": "Zen"}, started) == ["LD_PRELOAD", "OPENBLAS_CORETYPE"]
 
 
 def test_cuda_counts_as_initialised_only_where_the_driver_says_so(tmp_path):

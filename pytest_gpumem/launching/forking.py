@@ -77,6 +77,9 @@ _STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "
                 "TORCH", "ONEFLOW_", "GLOG_")
 # PYTHONUNBUFFERED and PYTHONDONTWRITEBYTECODE the child applies itself (its output, sys.dont_write_bytecode:
 # pytest-xdist's workers have the latter set after they start).
+# Read as a library loads (not as the interpreter starts): where the environment is applied after the
+# start and before those loads (pytest-xdist's workers), what they read is the applied one.
+_LOADED_LATER = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "BLIS_", "TORCH", "ONEFLOW_", "GLOG_")
 _LATE_ENV = ("PYTHONUNBUFFERED", _BYTECODE_ENV, _OMP_ENV, "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCHELASTIC_")
 
 
@@ -88,6 +91,10 @@ def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc
                        if "=" in item)
     except OSError:
         return ["the environment (unreadable)"]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist starts a worker with an almost empty environment and applies the controller's
+        # before anything is imported: the libraries it loads since (OpenBLAS, OpenMP, torch) read that.
+        started.update({k: v for k, v in os.environ.items() if k.startswith(_LOADED_LATER)})
     changed = []
     for key in sorted(set(rank_env) | set(started)):
         if not key.startswith(_STARTUP_ENV) or key.startswith(_LATE_ENV):
