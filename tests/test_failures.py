@@ -33,6 +33,25 @@ def test_the_first_failure_leads_the_others_follow_in_order_and_the_stopped_come
     ]
 
 
+def test_a_failed_rank_stuck_after_its_failure_keeps_its_exception_first_and_says_where_each_was_stopped(tmp_path):
+    """Rank 1 raised, then its teardown waited in a barrier; rank 0 waited in all_reduce: both were
+    stopped after the grace, with their stacks; rank 1's exception leads."""
+    run = launch(nproc=2, pids={0: 10, 1: 11}, end="fail-fast", failed_at={1: 0.4}, stopped=frozenset({0, 1}),
+                 returncodes={0: -15, 1: -15}, stacks={0: '  File "t.py", line 9 in all_reduce',
+                                                      1: '  File "conftest.py", line 9 in process_group'})
+    outcomes = {0: RankOutcome(0, "missing", "killed by SIGTERM"),
+                1: RankOutcome(1, "failed", "[call] E   RuntimeError: rank 1 lost its shard",
+                               "RuntimeError: rank 1 lost its shard")}
+    found = problems(run, outcomes, ctx(tmp_path, fail_fast_grace=2.5))
+    assert found == [
+        "rank 1 of 2 failed: RuntimeError: rank 1 lost its shard\n[call] E   RuntimeError: rank 1 lost its shard\n"
+        "rank 1 of 2 was still running 2.5 s after the first failure: stopped by pytest-gpumem (SIGTERM)\n"
+        "--- rank 1 Python stack when stopped ---\n  File \"conftest.py\", line 9 in process_group",
+        "rank 0 of 2: stopped by pytest-gpumem after rank 1 failed (SIGTERM)\n"
+        "--- rank 0 Python stack when stopped ---\n  File \"t.py\", line 9 in all_reduce",
+    ]
+
+
 def test_a_timeout_names_the_hung_rank_with_its_stack_not_the_one_that_finished(tmp_path):
     run = launch(nproc=2, pids={0: 10, 1: 11}, end="timeout", timed_out=True, duration_s=60.0,
                  stopped=frozenset({1}), ended_at={0: 2.0}, stacks={1: '  File "t.py", line 3 in wait'})

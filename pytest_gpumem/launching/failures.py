@@ -71,9 +71,8 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankResult], ctx: Laun
         text, used_launcher_log = _failed(launch, rank, outcome, ctx, shown_launcher_log)
         shown_launcher_log |= used_launcher_log
         if rank in launch.stopped and launch.end == "fail-fast":  # it failed, then did not end by itself
-            text += (f"\n{who(launch, rank)} had not ended {ctx.fail_fast_grace:g} s after the first failure "
-                     f"(a fixture's teardown waiting in a collective for peers, say): stopped by "
-                     f"pytest-gpumem ({_how_stopped(launch, rank)})" + _stack(launch, rank, "when stopped"))
+            text += (f"\n{who(launch, rank)} was still running {ctx.fail_fast_grace:g} s after the first failure: "
+                     f"stopped by pytest-gpumem ({_how_stopped(launch, rank)})" + _stack(launch, rank, "when stopped"))
         failures.append((when, rank, text))
     failures.sort(key=lambda item: (item[0], item[1]))
     found = [text for _, _, text in failures]
