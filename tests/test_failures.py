@@ -39,9 +39,9 @@ def test_a_failed_rank_stuck_after_its_failure_keeps_its_exception_first_and_say
     run = launch(nproc=2, pids={0: 10, 1: 11}, end="fail-fast", failed_at={1: 0.4}, stopped=frozenset({0, 1}),
                  returncodes={0: -15, 1: -15}, stacks={0: '  File "t.py", line 9 in all_reduce',
                                                       1: '  File "conftest.py", line 9 in process_group'})
-    outcomes = {0: RankOutcome(0, "missing", "killed by SIGTERM"),
-                1: RankOutcome(1, "failed", "[call] E   RuntimeError: rank 1 lost its shard",
-                               "RuntimeError: rank 1 lost its shard")}
+    outcomes = {0: RankResult("missing", "killed by SIGTERM"),
+                1: RankResult("failed", "[call] E   RuntimeError: rank 1 lost its shard",
+                              "RuntimeError: rank 1 lost its shard")}
     found = problems(run, outcomes, ctx(tmp_path, fail_fast_grace=2.5))
     assert found == [
         "rank 1 of 2 failed: RuntimeError: rank 1 lost its shard\n[call] E   RuntimeError: rank 1 lost its shard\n"
