@@ -226,7 +226,7 @@ class Runner:
             start="exec" if refused else "fork",
             simulated=simulated,
             world_size=world,
-            gpus=self.simulated_gpus or 1,
+            gpus=self._processes(world, simulated),  # the GPUs leased, which LOCAL_RANK indexes
             fail_fast_grace=self.fail_fast_grace,
         )
         started_at = time.time()  # the ranks' own curves are in epoch seconds
