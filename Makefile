@@ -13,8 +13,9 @@ DOCS := .venv-docs
 PYTEST_FLAGS ?= -p no:cacheprovider
 # What the floor venv and tools/check-dist run: the plugin end to end (collection, wrappers, a real
 # launch, the baseline lifecycle) and the pure core, without OneFlow or torch.
-SMOKE := tests/test_install.py tests/test_gate_edges.py tests/test_settings.py tests/test_cli_settings.py \
-	tests/test_spec.py tests/test_verdict.py tests/test_plugin.py::test_marked_tests_skip_without_the_option \
+SMOKE := tests/test_install.py tests/unit/judging/test_gate_edges.py tests/unit/config/test_settings.py \
+	tests/unit/config/test_cli_settings.py tests/unit/config/test_spec.py tests/unit/judging/test_verdict.py \
+	tests/test_plugin.py::test_marked_tests_skip_without_the_option \
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 

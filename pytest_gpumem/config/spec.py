@@ -108,7 +108,7 @@ def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
 
 
 # Mutation testing (make mutate) covers the tolerance code above; marker validation below is
-# pinned by tests/test_spec.py and tests/test_plugin.py, not by mutants.
+# pinned by tests/unit/config/test_spec.py and tests/test_plugin.py, not by mutants.
 # pragma: no mutate start
 @dataclass(frozen=True)
 class Defaults:

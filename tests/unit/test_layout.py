@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
+PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
 TOP = {"plugin", "gate", "cli", "measure", "bisect"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer

@@ -126,7 +126,7 @@ def test_task_that_cannot_see_the_launch_folder_says_so(tmp_path):
     and the parent names the rank, its node and the setting to change."""
     missing = tmp_path / "only-on-the-submit-host"
     env = {**os.environ, **TASK_ENV, "GPUMEM_WORKDIR": str(missing), "GPUMEM_SLURM_FOLDER_WAIT_S": "0.2",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "pytest_gpumem.rankside.srun_task", "29500", "n1=127.0.0.1",
                            "pytest", "x.py"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == NOT_SHARED_EXIT, done.stderr

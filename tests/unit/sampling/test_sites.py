@@ -43,7 +43,7 @@ def test_a_stack_without_user_code_is_internal_and_without_python_is_native():
 
 def test_internal_means_installed_standard_or_the_plugin_itself():
     assert is_internal(TORCH) and is_internal(STDLIB) and is_internal("<frozen importlib._bootstrap>")
-    assert is_internal(str(Path(__file__).parents[1] / "pytest_gpumem" / "plugin.py"))
+    assert is_internal(str(Path(__file__).parents[3] / "pytest_gpumem" / "plugin.py"))
     assert not is_internal("/proj/examples/test_ddp.py")
 
 

@@ -77,7 +77,7 @@ def test_unreadable_ini_names_the_file(tmp_path):
 
 
 def test_agrees_with_pytest_on_this_repository(pytestconfig):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     setup = inifile.find(repo / "tests")
     assert setup.rootdir == Path(pytestconfig.rootpath).resolve()
     assert setup.inipath == (Path(pytestconfig.inipath).resolve() if pytestconfig.inipath else None)

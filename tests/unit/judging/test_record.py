@@ -26,7 +26,7 @@ from pytest_gpumem.judging.record import (
 from pytest_gpumem.judging.record_reader import load_report, parse_report
 from pytest_gpumem.sampling import Peak
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def full_record() -> TestRecord:

@@ -22,7 +22,7 @@ from pytest_gpumem.judging import baseline
 from pytest_gpumem.judging.baseline import SCHEMA_VERSION, BaselineError, BaselineStore, Entry
 from pytest_gpumem.sampling.identity import host_provenance, platform_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CPU = "cpu:Intel(R) Xeon(R) Platinum 8480+"
 GPU = "gpu:NVIDIA H200"
 TEST = "examples/test_dp.py::test_a[2]"

@@ -11,7 +11,7 @@ import pytest
 from pytest_gpumem.config.spec import LAUNCHERS
 from pytest_gpumem.launching.launcher import launcher, registered
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpumem"
+PACKAGE = Path(__file__).resolve().parents[3] / "pytest_gpumem"
 
 
 def test_the_marker_accepts_exactly_the_registered_launchers():
