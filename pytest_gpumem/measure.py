@@ -167,6 +167,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .launching.leases import default_lease_dir
     from .launching.rank_setup import RankSetup
     from .launching.runner import Runner
+    from .launching.startups import Startups
     from .presentation import outputs
     from .sampling.nvml import visible_gpus
 
@@ -179,6 +180,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
         host_interval_s=interval, floor=settings.floor,
         floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
+        startups=Startups(settings.host_startup, settings.startup_cache, Path.cwd()),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

@@ -18,7 +18,7 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.spec import Spec, SpecError, marker_signature, parse_marker
-from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank
+from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank, startup_ended
 
 if TYPE_CHECKING:
     from .gate import Gate, Outcome
@@ -226,6 +226,7 @@ class ParentSide:
             from .launching.leases import default_lease_dir
             from .launching.rank_setup import RankSetup
             from .launching.runner import Runner
+            from .launching.startups import Startups
 
             resolved = self.settings
             interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
@@ -252,6 +253,7 @@ class ParentSide:
                 floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
                 launcher_options=LauncherOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
                 fail_fast_grace=resolved.fail_fast_grace,
+                startups=Startups(resolved.host_startup, resolved.startup_cache, Path(self.config.rootpath)),
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
         return self._machinery
@@ -438,6 +440,11 @@ class RankSide:
             from .rankside import protocol
 
             self.outcome = protocol.RankResult("passed")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        """The rank's start-up ends here: its host capture splits (or begins), before any fixture."""
+        startup_ended()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:

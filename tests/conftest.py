@@ -37,8 +37,12 @@ def launch_tag(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(autouse=True)
 def _own_floor_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
-    """Each test its own floor cache: none is read from, or written to, the user's ~/.cache."""
+    """Each test its own floor cache: none is read from, or written to, the user's ~/.cache.
+
+    The ranks' start-up figures are shared by the whole session, as a user's are by their sessions:
+    an entry is used only for the same test, launch, size, versions and unchanged files."""
     monkeypatch.setenv("GPUMEM_FLOOR_CACHE", str(tmp_path_factory.mktemp("floor-cache") / "floors.json"))
+    monkeypatch.setenv("GPUMEM_STARTUP_CACHE", str(tmp_path_factory.getbasetemp() / "startups.json"))
 
 
 @pytest.fixture(autouse=True)

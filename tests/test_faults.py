@@ -876,6 +876,7 @@ BAD_VALUES = {
     "boxing": "maybe",
     "sites": "some",
     "python_allocations": "bytes",
+    "host_startup": "sometimes",
     "nnodes": "two",
     "srun_args": '--gpus-per-task="1',  # an unclosed quote
     "max_nproc": "-2",

@@ -178,6 +178,12 @@ OPTIONS: tuple[Option, ...] = (
            "where floors are kept for later sessions, per machine, driver, framework, Python, launch and size "
            "(off: measured in every session)",
            shown_default="$XDG_CACHE_HOME/pytest-gpumem/floors.json (~/.cache/pytest-gpumem/floors.json)"),
+    Option("startup_cache", "--gpumem-startup-cache", "GPUMEM_STARTUP_CACHE", "gpumem_startup_cache",
+           str, "", "a file path, or off",
+           "where the ranks' start-up figures (gpumem_host_startup=cached) are kept for later sessions, per "
+           "machine, Python, installed versions, test, launch and size, checked against the rootdir files "
+           "the ranks imported (off: measured in every session)",
+           shown_default="startups.json beside the floor cache (~/.cache/pytest-gpumem/startups.json)"),
     Option("track_host", "--gpumem-track-host", TRACK_ENV, "gpumem_track_host",
            _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
            "track each rank's host allocations (memray: the gated host figure). auto: where the host figure "
@@ -188,6 +194,12 @@ OPTIONS: tuple[Option, ...] = (
            "how the host tracker counts Python's own objects. objects: one by one, at their size (the figure is "
            "exact to the KiB; tracking costs ~1.8x the CPU of counting arenas); arenas: by the 1 MiB arenas of "
            "CPython's small-object allocator (cheaper; the figure moves by whole MiB between identical runs)"),
+    Option("host_startup", "--gpumem-host-startup", "GPUMEM_HOST_STARTUP", "gpumem_host_startup",
+           _choice(("cached", "tracked")), "cached", "one of cached, tracked",
+           "how a pytest rank's start-up (interpreter, pytest, the test module and its framework) enters the "
+           "host figure. cached: tracked in the first launch of a test at each size, its live and peak bytes "
+           "at the setup kept (beside the floor cache) and added in later launches, which track from the "
+           "setup only; tracked: every rank tracked whole"),
     Option("gpu_sampler", "--gpumem-gpu-sampler", "GPUMEM_GPU_SAMPLER", "gpumem_gpu_sampler",
            _choice(("parent", "rank")), "parent", "one of parent, rank",
            "who samples NVML for GPU figures: the parent pytest (by the ranks' PIDs) or a thread in each rank"),
@@ -295,6 +307,7 @@ class Settings:
     interval_ms: float
     floor: str
     floor_cache: Path | None  # None: off
+    startup_cache: Path | None  # None: off
     track_host: str
     gpu_sampler: str
     baselines: Path
@@ -310,6 +323,7 @@ class Settings:
     boxing: bool
     sites: str = "auto"
     python_allocations: str = "objects"
+    host_startup: str = "cached"
     slurm_dir: Path | None = None
     srun_args: tuple[str, ...] = ()
     nnodes: int = 0
@@ -400,6 +414,10 @@ def resolve(
     cache_text = values.pop("floor_cache").strip()
     floor_cache = (None if cache_text.lower() in ("off", "none") else
                    Path(os.path.expanduser(cache_text)) if cache_text else default_floor_cache(env))
+    startup_text = values.pop("startup_cache").strip()
+    startup_cache = (None if startup_text.lower() in ("off", "none") else
+                     Path(os.path.expanduser(startup_text)) if startup_text
+                     else default_floor_cache(env).with_name("startups.json"))
     texts = {name: values.pop(name) for name in
              ("report", "lease_dir", "torch_snapshot", "markdown", "plots", "benchmark_json", "slurm_dir")}
     paths: dict[str, Any] = {name: Path(text) if text else None for name, text in texts.items()}
@@ -408,6 +426,7 @@ def resolve(
         refresh=refresh,
         baselines=baselines if baselines.is_absolute() else rootdir / baselines,
         floor_cache=floor_cache,
+        startup_cache=startup_cache,
         **paths,
         **values,
     )

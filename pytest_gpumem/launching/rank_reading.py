@@ -102,6 +102,10 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                   gpu_problems=list(getattr(gpu, "problems", []) or []),
                   boxings=[b for rec in read_records(protocol.rank_file(workdir, 0, "boxing"))
                            for b in rec.get("boxings", [])])
+    run.startups = {rank: (float(r.alloc_startup[0]), float(r.alloc_startup[1])) for rank, r in reports.items()
+                    if isinstance(r.alloc_startup, list) and len(r.alloc_startup) == 2}
+    for report in reports.values():
+        run.startup_files.update(report.startup_files)
     run.problems = failures.problems(run.launch, run.outcomes, reading.context)
     return run
 

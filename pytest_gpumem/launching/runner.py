@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from ..config.spec import Spec
 from ..judging.verdict import SizeResult
 from ..rankside import protocol
+from ..rankside.rank import STARTUP_ENV, TRACK_ENV
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
@@ -28,6 +29,7 @@ from .launcher import LauncherOptions, launcher
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
 from .runs import SizeRun, TestRun
+from .startups import Startups
 from .workdirs import make_workdir, sweep_orphans
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
@@ -51,6 +53,7 @@ class Runner:
         refresh_floors: bool | None = None,
         launcher_options: LauncherOptions | None = None,
         fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S,
+        startups: Startups | None = None,
     ) -> None:
         self.cwd = cwd
         self.setup = setup
@@ -65,6 +68,7 @@ class Runner:
                              self._launch_probe)
         self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
         self.fail_fast_grace = fail_fast_grace  # seconds the other ranks get once one failed
+        self.startups = startups or Startups("tracked", None, cwd)  # the ranks' start-ups, measured once
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -164,6 +168,28 @@ class Runner:
                            launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])
         return self._launch(test_id, direct, world_size, plan, simulated=ranks)
 
+    def _startup(self, test_id: str, spec: Spec, world: int, plan: GpuPlan,
+                 simulated: tuple[int, ...]) -> tuple[str, SizeRun | None]:
+        """The ranks' ``GPUMEM_STARTUP`` (their start-up's figures, from this session, the cache or a
+        probe launched now; "" tracks them whole), or the probe's run where the probe showed the
+        launch cannot get as far as the test's setup (a collection error, a crash or hang at import,
+        a skip): the test's own launch would end the same way."""
+        launch = spec.launch_key() + ((("simulated",) + simulated,) if simulated else ())
+        found = self.startups.env(test_id, launch, world)
+        if found != "probe":
+            return found, None
+        # The launch's own GPUs (held by its plan while the probe runs), no sampler: nothing is gated.
+        probe_plan = GpuPlan(env=dict(plan.env), gpu_name=plan.gpu_name, provenance=dict(plan.provenance))
+        probe = self._launch(test_id, spec, world, probe_plan, simulated=simulated, startup="probe")
+        if len(probe.startups) == (len(simulated) or world):
+            self.startups.learn(test_id, launch, world, probe.startups, probe.startup_files)
+            return self.startups.env(test_id, launch, world), None
+        ended = probe.launch
+        if ended.results or ended.timed_out or ended.launcher_returncode or any(ended.returncodes.values()):
+            return "", probe
+        self.startups.failed(test_id, launch, world, probe.notes)  # e.g. the tracker could not start
+        return "", None
+
     def _processes(self, world_size: int, simulated: tuple[int, ...]) -> int:
         """GPUs a launch leases: one a rank, or for a simulated world those its ranks share."""
         if not simulated:
@@ -171,11 +197,20 @@ class Runner:
         return min(len(simulated), self.simulated_gpus) if self.simulated_gpus else len(simulated)
 
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
-                simulated: tuple[int, ...] = ()) -> SizeRun:
-        """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones."""
+                simulated: tuple[int, ...] = (), startup: str | None = None) -> SizeRun:
+        """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones.
+        ``startup``: the ranks' ``GPUMEM_STARTUP`` (None: looked up, a probe launched first if need be)."""
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
+        if startup is None:
+            startup = ""
+            # Host-tracked pytest ranks of a whole world: their start-up is measured once (launching.startups).
+            if spec.body_mode and self.setup.env(spec, plan, history).get(TRACK_ENV) == "1":
+                startup, failed = self._startup(test_id, spec, nproc, plan, simulated)
+                if failed is not None:
+                    plan.release()
+                    return failed
         lost: list[str] = []
         while True:
             try:
@@ -184,7 +219,7 @@ class Runner:
                 return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                                outcomes={}, problems=[str(exc)])
             try:  # the folder goes whatever happens, Ctrl-C included
-                run = self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated)
+                run = self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated, startup)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
             if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
@@ -200,7 +235,7 @@ class Runner:
         return run
 
     def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
-                   history: bool = False, simulated: tuple[int, ...] = ()) -> SizeRun:
+                   history: bool = False, simulated: tuple[int, ...] = (), startup: str = "") -> SizeRun:
         nproc = len(simulated) or world  # processes
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
@@ -212,7 +247,7 @@ class Runner:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        env = self.setup.env(spec, plan, history)
+        env = {**self.setup.env(spec, plan, history), STARTUP_ENV: startup}
         refused = self.setup.fork_refusal(spec, plan, env)
         request = LaunchRequest(
             launcher=spec.launcher,
@@ -252,6 +287,7 @@ class Runner:
         if why and self.setup.start == "fork":  # asked for: said in the report (auto falls back quietly)
             run.notes.append(f"ranks exec'd, not forked: {why}")
         run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        run.notes += self.startups.take_notes()
         if launch.port_note:
             run.notes.append(launch.port_note)
         run.snapshots = self._keep_snapshots(test_id, nproc, workdir)

@@ -24,6 +24,8 @@ class SizeRun:
     notes: list[str] = field(default_factory=list)
     snapshots: dict[int, Path] = field(default_factory=dict)  # rank -> torch allocator snapshot
     boxings: list[dict] = field(default_factory=list)  # rank 0's nn.Graph SBP conversions
+    startups: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> its start-up (live, peak) MiB
+    startup_files: dict[str, str] = field(default_factory=dict)  # rootdir files the ranks imported -> SHA-256
 
     @property
     def all_skipped(self) -> str | None:

@@ -59,8 +59,50 @@ ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the par
 # Which rank-<slot>.* files this process writes: its RANK, except in a simulated world, where the
 # launch's processes stand for ranks picked out of a larger one (rankside.simulate).
 SLOT_ENV = "GPUMEM_SLOT"
+# Where the host tracker starts in a pytest rank (set by the parent, launching.startups):
+# unset: at the rank's start, one capture; "probe": at the start, and the rank ends where its test's
+# setup begins, reporting its start-up's live and peak MiB; "0=LIVE/PEAK;1=...": at the setup, the
+# start-up's figures (by rank) measured by a probe.
+STARTUP_ENV = "GPUMEM_STARTUP"
 
 _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
+_tracker: "AllocationTracker | None" = None  # this rank's host tracker, where it splits or resumes at the setup
+_startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
+
+
+def startup_ended() -> None:
+    """Called as the rank's test starts its setup: the job's capture begins here, the start-up's
+    figures handed in by the parent; in a start-up probe, the capture ends and the rank with it.
+
+    The collector runs first, so that the start-up's garbage is not in its live figure (the probe)
+    and the job starts from the same collector state in every launch.
+    """
+    global _tracker
+    tracker, _tracker = _tracker, None
+    if tracker is None:
+        return
+    import gc
+
+    gc.collect()
+    if _startup is not None:
+        tracker.startup = _startup
+        tracker.start()
+        return
+    tracker.end_startup()  # a probe: its figures (or its problem) go into the exit report
+    _exit_fast(0)
+
+
+def _startup_given(value: str, rank: int) -> tuple[float, float] | None:
+    """This rank's ``LIVE/PEAK`` MiB out of ``0=LIVE/PEAK;1=...`` as the parent writes it; None otherwise."""
+    for part in value.split(";"):
+        name, _, figures = part.partition("=")
+        live, _, peak = figures.partition("/")
+        if name.strip() == str(rank):
+            try:
+                return float(live), float(peak)
+            except ValueError:
+                return None
+    return None
 
 
 def allocator() -> "TorchAllocator | None":
@@ -168,11 +210,40 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
+    measured = tracker.startup if _startup is None else None  # a probe's
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
         alloc_problem=tracker.problem, provenance=provenance, alloc_sites=tracker.sites,
         alloc_timeline=[[t, mib] for t, mib in tracker.timeline], sites_problem=tracker.sites_problem,
-        gpu_allocator=gpu_allocator, simulation=list(simulate.notes), **_gpu_report(gpu_sampler)))
+        gpu_allocator=gpu_allocator, simulation=list(simulate.notes),
+        alloc_startup=None if measured is None else list(measured),
+        startup_files=_local_files() if measured is not None else {}, **_gpu_report(gpu_sampler)))
+
+
+def _local_files() -> dict[str, str]:
+    """The Python files this rank imported from outside its interpreter's installation (the
+    rootdir's, by path relative to it; others, by absolute path) -> SHA-256: what a cached start-up
+    depends on besides the installed versions (launching.startups checks them)."""
+    import hashlib
+
+    root = os.environ.get(ROOTDIR_ENV)
+    top = Path(root).resolve() if root else None
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    found: dict[str, str] = {}
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if not name:
+            continue
+        path = Path(name).resolve()
+        if any(path.is_relative_to(prefix) for prefix in installed):  # versioned: in the key
+            continue
+        inside = top is not None and path.is_relative_to(top)
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            continue
+        found[path.relative_to(top).as_posix() if top is not None and inside else str(path)] = digest
+    return dict(sorted(found.items()))
 
 
 def _die_with_parent() -> None:
@@ -238,7 +309,7 @@ def main(argv: list[str]) -> None:
     from . import protocol, simulate
     from .gpu_allocator import TorchAllocator
 
-    global _allocator
+    global _allocator, _tracker, _startup
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = file_rank()
@@ -256,8 +327,13 @@ def main(argv: list[str]) -> None:
     root = Path(os.environ[ROOTDIR_ENV]) if os.environ.get(ROOTDIR_ENV) else None
     objects = os.environ.get(PYTHON_ALLOCATIONS_ENV, "objects").strip().lower() != "arenas"
     tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root, objects=objects)
+    startup = os.environ.get(STARTUP_ENV, "") if mode == "pytest" else ""
+    _startup = _startup_given(startup, rank)
     if not switched_off(TRACK_ENV):
-        tracker.start()  # before the target imports anything: the frameworks' own allocations count
+        if startup == "probe" or _startup is not None:
+            _tracker = tracker  # ended, or started, where the test's setup begins (startup_ended)
+        if _startup is None:
+            tracker.start()  # before the target imports anything: the frameworks' own allocations count
     history = sites and os.environ.get(HISTORY_ENV) == "1"
     _allocator = TorchAllocator(history=history or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
     _allocator.install()  # costs nothing until torch is imported, starts no CUDA
@@ -283,4 +359,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Run as the package's module, not as __main__: the plugin, which the rank's pytest loads,
+    # reads this rank's state (the allocator watch, the host tracker) from pytest_gpumem.rankside.rank.
+    from pytest_gpumem.rankside import rank as _rank
+
+    _rank.main(sys.argv[1:])

@@ -20,16 +20,16 @@ What it does not see: pages reserved but never allocated through those calls (th
 own start-up before the tracker starts, the executable's and libraries' mapped files), whether
 allocated pages were touched, and forked children (not followed).
 
-What it costs, and why not less: memray keeps each thread's Python stack through a profile hook
-that runs at every Python call and return, and records every allocation against it; there is no
-option to drop the stacks. Python-heavy phases pay most: a torch import, pytest's start-up, a
-OneFlow import run 1.5-2x slower (CPU time), and ``Tracker.__exit__`` writes the aggregated
-capture at exit (~0.3 s for a torch job). Already off: native stacks, forks, Python's own
-allocators as separate allocations. Not changed, because the figure would move: the tracker starts
-before the rank imports anything (later, pytest's and the framework's import-time allocations would
-drop out of the peak), and ``memory_interval_ms`` stays at memray's default (its thread's own
-allocations are in the peak: at 10 s instead of 10 ms the same torch job read 1 MiB less). So the
-tracker runs only where its figure is gated (``gpumem_track_host``, decided by the runner).
+What it costs: memray keeps each thread's Python stack through a profile hook and records every
+allocation against it, so Python-heavy work (a framework's import, pytest's start-up) runs 2-4x
+slower tracked. A pytest rank's start-up is the same bytes at every launch, so it is tracked once
+(``launching.startups``: a probe whose ranks stop at the test's setup, ``end_startup``) and handed
+to later ranks, which track from their setup only (``startup``): their figure is
+``max(start-up peak, start-up live + the job's peak)``. The job's capture does not see the
+start-up's blocks, so what the job frees of them is not subtracted: the same excess at every
+launch (docs/host.md). ``memory_interval_ms`` stays at memray's default: its thread's own
+allocations are in the peak. The tracker runs only where its figure is gated (``gpumem_track_host``,
+decided by the runner).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class AllocationTracker:
         self.sites: list[dict[str, Any]] = []
         self.sites_problem: str | None = None
         self.timeline: list[tuple[float, float]] = []
+        # (MiB live, MiB peak) of the rank's start-up, up to its test's setup: measured here by
+        # ``end_startup`` (a probe), or handed in (the job's capture); None: one capture, the whole process.
+        self.startup: tuple[float, float] | None = None
         self._tracker: Any = None
 
     def start(self) -> None:
@@ -83,36 +86,74 @@ class AllocationTracker:
             return
         self._tracker = tracker
 
+    def end_startup(self) -> None:
+        """End the capture here (a start-up probe, at its test's setup): what the start-up holds
+        live and its peak go into ``startup``, in MiB."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None and self._close(tracker):
+            self.startup = self._read(self.path, live=True)
+
     def stop(self) -> float | None:
+        """The rank's figure: the peak of its live allocations, in MiB.
+
+        Where the capture began at the test's setup, the start-up's figures handed in, it is
+        ``max(start-up peak, start-up live + the job's peak)``: the job's capture counts what the
+        job allocated and still holds, not what it freed of the start-up's.
+        """
         if self._tracker is None:
             return None
         tracker, self._tracker = self._tracker, None
+        if not self._close(tracker):
+            return None
+        job = self._read(self.path, sites=self.sites_wanted)
+        if job is None:
+            return None
+        if self.startup is None:
+            return job[1]
+        live, startup_peak = self.startup
+        self.timeline = [(t, live + mib) for t, mib in self.timeline]
+        if startup_peak > live + job[1]:  # the peak was in the start-up, whose sites are not read
+            self.sites = []
+            return startup_peak
+        return live + job[1]  # the sites are the job's own (the start-up's live bytes are not sites)
+
+    def _close(self, tracker: Any) -> bool:
         try:
             tracker.__exit__(None, None, None)
+        except Exception as exc:
+            self.problem = f"memray capture not written ({exc})"
+            return False
+        return True
+
+    def _read(self, path: Path, live: bool = False, sites: bool = False) -> tuple[float, float] | None:
+        """(MiB live at the capture's end if ``live``, else 0; its peak MiB); the file is removed."""
+        try:
             import memray
 
             try:  # only the header is needed: loading no RSS snapshots halves the read (~15 ms a rank)
-                reader = memray.FileReader(self.path, report_progress=False, max_memory_records=1)
+                reader = memray.FileReader(path, report_progress=False, max_memory_records=1)
             except TypeError:  # memray 1.10 (the floor) has no max_memory_records
-                reader = memray.FileReader(self.path)
+                reader = memray.FileReader(path)
             peak = float(reader.metadata.peak_memory) / MiB
+            left = 0.0
+            if live:
+                left = sum(r.size for r in reader.get_leaked_allocation_records(merge_threads=True)) / MiB
+            if sites:
+                self._read_sites(path)
         except Exception as exc:
             self.problem = f"memray capture unreadable ({exc})"
             return None
-        else:
-            if self.sites_wanted:
-                self._read_sites()
-            return peak
         finally:
             with contextlib.suppress(OSError):
-                self.path.unlink()
+                path.unlink()
+        return left, peak
 
-    def _read_sites(self) -> None:
+    def _read_sites(self, path: Path) -> None:
         """What was live at the high-water mark, by site, and the live heap over time (for plots)."""
         from .sites import memray_heap_timeline, memray_sites
 
         try:
-            self.sites = [site.as_dict() for site in memray_sites(self.path, self.root)]
-            self.timeline = memray_heap_timeline(self.path)
+            self.sites = [site.as_dict() for site in memray_sites(path, self.root)]
+            self.timeline = memray_heap_timeline(path)
         except Exception as exc:  # noqa: BLE001 - an older memray: the peak stands without its sites
             self.sites_problem = f"memray sites unreadable ({exc})"
