@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
            if k not in ("CI", "PYTEST_ADDOPTS") and not k.startswith("GPUMEM_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cases = []
-    for python in args.python:
+    for python in map(os.path.abspath, args.python):  # the ranks run in the cases' folder; a venv's link kept
         framework = framework_of(python)
         folder = args.out / f"host_cost_{framework}"
         write_cases(folder, framework)

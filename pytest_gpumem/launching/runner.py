@@ -37,8 +37,9 @@ PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before 
 
 
 class Runner:
-    """One gpumem test's launches: each world size, the nproc=1 reference reused, the floors, a
-    relaunch for peak sites, a simulated world; the ranks' files read by ``rank_reading``."""
+    """One gpumem test's launches: each world size, the nproc=1 reference reused, the floors, the
+    ranks' start-up (a probe, once: ``startups``), a relaunch for peak sites, a simulated world; the
+    ranks' files read by ``rank_reading``."""
 
     def __init__(
         self,
