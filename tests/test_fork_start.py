@@ -217,7 +217,7 @@ REFUSALS = {
                    (), "the ranks' PYTHONPATH differs from what pytest started with (read as an interpreter "
                    "or a library starts, before a fork could set it)"),
     "tracked": ("@pytest.mark.gpumem(nproc=1, timeout=60)", "", ("--gpumem-track-host=on",),
-                "host allocations are tracked (the tracker must see the frameworks' imports)"),
+                "host allocations are tracked (a forked rank's start-up would be pytest's, not its own)"),
     "thread": ("@pytest.mark.gpumem(nproc=1, timeout=60)",
                "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='users-poller', "
                "daemon=True).start()\n", (), "pytest runs other Python threads (users-poller)"),

@@ -94,7 +94,7 @@ class RankSetup:
         if not spec.body_mode:
             return "script= and module= run in a fresh interpreter"
         if env.get(TRACK_ENV) != "0":
-            return "host allocations are tracked (the tracker must see the frameworks' imports)"
+            return "host allocations are tracked (a forked rank's start-up would be pytest's, not its own)"
         if self.in_rank_gpu(spec, plan):
             return "each rank samples its own GPU (--gpumem-gpu-sampler=rank)"
         return self.start_refusal
