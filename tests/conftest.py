@@ -10,6 +10,8 @@ import psutil
 import pytest
 
 TAG_ENV = "GPUMEM_SELFTEST_TAG"
+# The caches each test gets (_own_floor_cache): kept by a test that clears the GPUMEM_* environment.
+OWN_CACHES = ("GPUMEM_FLOOR_CACHE", "GPUMEM_STARTUP_CACHE")
 
 
 def processes_tagged(tag: str) -> list[int]:

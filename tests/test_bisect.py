@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TAG_ENV, processes_tagged
+from conftest import OWN_CACHES, TAG_ENV, processes_tagged
 from pytest_gpumem.bisect.command import _line, last_line
 from pytest_gpumem.bisect.commits import Commit, between, resolve
 from pytest_gpumem.bisect.search import Judge, search, site_lines
@@ -95,7 +95,7 @@ def make_repo(root: Path, count: int = 16, broken: tuple[int, ...] = (6,), grows
 def bisect(repo: Path, tmp: Path, *args: str, env: dict[str, str] | None = None,
            timeout: float = 600) -> subprocess.CompletedProcess:
     """``gpumem bisect ARGS`` run in the checkout, with a private TMPDIR."""
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k == TAG_ENV}
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k in (TAG_ENV, *OWN_CACHES)}
     run_env.update(TMPDIR=str(tmp), **(env or {}))
     return subprocess.run([str(GPUMEM), "bisect", *args], cwd=repo, env=run_env, capture_output=True,
                           text=True, timeout=timeout)
@@ -342,7 +342,7 @@ def test_arguments_that_name_nothing_exit_2(repo, private_tmp):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_ctrl_c_mid_bisect_leaves_no_worktree_and_no_process(repo, private_tmp, launch_tag, signum):
     root, shas = repo
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k == TAG_ENV}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k in (TAG_ENV, *OWN_CACHES)}
     env.update(TMPDIR=str(private_tmp), BISECT_TEST_SLEEP="120")
     proc = subprocess.Popen([str(GPUMEM), "bisect", shas[0], shas[15], "--", "test_mem.py::test_step"],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TAG_ENV, processes_tagged
+from conftest import OWN_CACHES, TAG_ENV, processes_tagged
 from pytest_gpumem import measure
 from pytest_gpumem.judging.record_reader import load_report
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def gpumem(*args: str, cwd: Path, tmp: Path, tag: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``gpumem ARGS`` in a fresh interpreter, with a private TMPDIR and every process tagged."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k in OWN_CACHES}
     env.update(TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
                **{TAG_ENV: tag})
     return subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", *args], cwd=cwd, env=env,
@@ -88,7 +88,7 @@ def test_a_hanging_program_times_out_and_every_process_is_gone(tmp_path, private
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_mid_launch_leaves_no_process_and_no_folder(signum, tmp_path, private_tmp, launch_tag):
     (tmp_path / "hang.py").write_text("import time\ntime.sleep(600)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k in OWN_CACHES}
     env.update(TMPDIR=str(private_tmp), PYTHONPATH=str(REPO), **{TAG_ENV: launch_tag})
     proc = subprocess.Popen([sys.executable, "-m", "pytest_gpumem.cli", "measure", "--nproc", "2", "--", "hang.py"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
