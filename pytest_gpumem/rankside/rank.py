@@ -66,7 +66,7 @@ SLOT_ENV = "GPUMEM_SLOT"
 STARTUP_ENV = "GPUMEM_STARTUP"
 
 _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
-_tracker: "AllocationTracker | None" = None  # this rank's host tracker, where it splits or resumes at the setup
+_tracker: "AllocationTracker | None" = None  # this rank's host tracker, where its test's setup ends or begins a capture
 _startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
 
 
