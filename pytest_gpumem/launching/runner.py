@@ -173,8 +173,8 @@ class Runner:
                  simulated: tuple[int, ...]) -> tuple[str, SizeRun | None]:
         """The ranks' ``GPUMEM_STARTUP`` (their start-up's figures, from this session, the cache or a
         probe launched now; "" tracks them whole), or the probe's run where the probe showed the
-        launch cannot get as far as the test's setup (a collection error, a crash or hang at import,
-        a skip): the test's own launch would end the same way."""
+        launch cannot get as far as the test's setup (a collection error, a hang at import, a skip):
+        the test's own launch would end the same way."""
         launch = spec.launch_key() + ((("simulated",) + simulated,) if simulated else ())
         found = self.startups.env(test_id, launch, world)
         if found != "probe":
@@ -185,10 +185,11 @@ class Runner:
         if len(probe.startups) == (len(simulated) or world):
             self.startups.learn(test_id, launch, world, probe.startups, probe.startup_files)
             return self.startups.env(test_id, launch, world), None
-        ended = probe.launch
-        if ended.results or ended.timed_out or ended.launcher_returncode or any(ended.returncodes.values()):
+        if probe.launch.results or probe.launch.timed_out:  # a rank said why it never got there, or hung
             return "", probe
-        self.startups.failed(test_id, launch, world, probe.notes)  # e.g. the tracker could not start
+        # No figures and no word from the test (e.g. the tracker could not start, a rank died): the
+        # test's own launch, tracked whole, shows whatever it is.
+        self.startups.failed(test_id, launch, world, probe.problems + probe.notes)
         return "", None
 
     def _processes(self, world_size: int, simulated: tuple[int, ...]) -> int:

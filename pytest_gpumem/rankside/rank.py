@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ..sampling.allocations import AllocationTracker
@@ -68,6 +69,7 @@ STARTUP_ENV = "GPUMEM_STARTUP"
 _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
 _tracker: "AllocationTracker | None" = None  # this rank's host tracker, where its test's setup ends or begins a capture
 _startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
+_report: "Callable[[], None] | None" = None  # writes this rank's exit report (registered with atexit too)
 
 
 def startup_ended() -> None:
@@ -88,8 +90,14 @@ def startup_ended() -> None:
         tracker.startup = _startup
         tracker.start()
         return
-    tracker.end_startup()  # a probe: its figures (or its problem) go into the exit report
-    _exit_fast(0)
+    # A probe: its figures (or its problem) go into the exit report, written now. The rank ends at
+    # once: the frameworks' shutdown could wait for peers that have already ended theirs.
+    tracker.end_startup()
+    if _report is not None:
+        _report()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _startup_given(value: str, rank: int) -> tuple[float, float] | None:
@@ -309,7 +317,7 @@ def main(argv: list[str]) -> None:
     from . import protocol, simulate
     from .gpu_allocator import TorchAllocator
 
-    global _allocator, _tracker, _startup
+    global _allocator, _tracker, _startup, _report
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = file_rank()
@@ -340,7 +348,8 @@ def main(argv: list[str]) -> None:
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
     protocol.write_hello(workdir, rank)
     # Runs last: after the frameworks' own shutdown.
-    atexit.register(_report_exit, workdir, rank, tracker, gpu_sampler, _allocator)
+    _report = functools.partial(_report_exit, workdir, rank, tracker, gpu_sampler, _allocator)
+    atexit.register(_report)
 
     if mode == "pytest":
         sys.argv = ["pytest", target, *args]
