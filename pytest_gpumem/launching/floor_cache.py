@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..judging.baseline import _write_atomic
+from .cache_file import now, replace_entry
 from .floor import FRAMEWORKS, PROBE_VERSION
 
 SCHEMA = 1
@@ -144,22 +144,21 @@ class FloorCache:
         """Store (or replace) the floor under ``key``; returns a problem sentence, or None."""
         entry = {"key": dict(sorted(key.items())), "framework": framework,
                  "ranks": {str(r): float(m) for r, m in sorted(ranks.items())},  # as measured: no rounding
-                 "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        from filelock import FileLock, Timeout
+                 "measured": now()}
+
+        def kept() -> list[dict[str, Any]]:
+            try:
+                entries = [e for e in self._load() if e[0] != entry["key"]]
+            except FloorCacheError:
+                entries = []  # reported by get(); a broken file is replaced, not merged
+            return [{"key": k, "framework": f.framework, "ranks": {str(r): m for r, m in f.ranks.items()},
+                     "measured": f.measured} for k, f in entries]
+
+        from filelock import Timeout
 
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S, mode=0o600):
-                try:
-                    kept = [e for e in self._load() if e[0] != entry["key"]]
-                except FloorCacheError:
-                    kept = []  # reported by get(); a broken file is replaced, not merged
-                floors: list[dict[str, Any]] = [
-                    {"key": k, "framework": f.framework, "ranks": {str(r): m for r, m in f.ranks.items()},
-                     "measured": f.measured} for k, f in kept]
-                floors = sorted(floors, key=lambda e: str(e["measured"]))[-(MAX_ENTRIES - 1):] + [entry]
-                data = json.dumps({"schema": SCHEMA, "floors": floors}, indent=1, sort_keys=True) + "\n"
-                _write_atomic(self.path, data.encode("utf-8"))
+            replace_entry(self.path, schema=SCHEMA, list_key="floors", entry=entry, kept=kept,
+                          max_entries=MAX_ENTRIES, lock_timeout_s=LOCK_TIMEOUT_S)
         except Timeout:
             return (f"floor cache {self.path}: its lock was not acquired within {LOCK_TIMEOUT_S:g} s; "
                     "the floor measured now is used in this session only")

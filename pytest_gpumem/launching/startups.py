@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..judging.baseline import _write_atomic
+from .cache_file import now, replace_entry
 
 SCHEMA = 1
 MAX_ENTRIES = 512  # the oldest go first
@@ -191,23 +191,21 @@ class Startups:
     def _put(self, key: Mapping[str, str], figures: Figures, files: Mapping[str, str]) -> None:
         assert self.path is not None
         entry = {"key": dict(sorted(key.items())), "files": dict(sorted(files.items())),
-                 "ranks": {str(r): [live, peak] for r, (live, peak) in sorted(figures.items())},
-                 "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        from filelock import FileLock, Timeout
+                 "ranks": {str(r): [live, peak] for r, (live, peak) in sorted(figures.items())}, "measured": now()}
+
+        def kept() -> list[dict[str, Any]]:
+            try:
+                entries = [e for e in self._load() if e[0] != entry["key"]]
+            except StartupCacheError:
+                entries = []  # said by _cached(); a broken file is replaced, not merged
+            return [{"key": k, "files": f, "ranks": {str(r): [lv, pk] for r, (lv, pk) in fig.items()}, "measured": m}
+                    for k, fig, f, m in entries]
+
+        from filelock import Timeout
 
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S, mode=0o600):
-                try:
-                    kept = [e for e in self._load() if e[0] != entry["key"]]
-                except StartupCacheError:
-                    kept = []  # said by _cached(); a broken file is replaced, not merged
-                rows: list[dict[str, Any]] = [
-                    {"key": k, "files": f, "ranks": {str(r): [lv, pk] for r, (lv, pk) in fig.items()}, "measured": m}
-                    for k, fig, f, m in kept]
-                rows = sorted(rows, key=lambda e: str(e["measured"]))[-(MAX_ENTRIES - 1):] + [entry]
-                data = json.dumps({"schema": SCHEMA, "startups": rows}, indent=1, sort_keys=True) + "\n"
-                _write_atomic(self.path, data.encode("utf-8"))
+            replace_entry(self.path, schema=SCHEMA, list_key="startups", entry=entry, kept=kept,
+                          max_entries=MAX_ENTRIES, lock_timeout_s=LOCK_TIMEOUT_S)
         except Timeout:
             self._say(f"start-up cache {self.path}: its lock was not acquired within {LOCK_TIMEOUT_S:g} s; "
                       "the start-up measured now is used in this session only")

@@ -370,6 +370,6 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     # Run as the package's module, not as __main__: the plugin, which the rank's pytest loads,
     # reads this rank's state (the allocator watch, the host tracker) from pytest_gpumem.rankside.rank.
-    from pytest_gpumem.rankside import rank as _rank
+    from . import rank as _rank  # run with -m: this package is __package__
 
     _rank.main(sys.argv[1:])
