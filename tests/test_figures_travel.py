@@ -28,7 +28,13 @@ pytestmark = pytest.mark.slow
 # up to 0.12 MiB below the installed torch (0.04 for OneFlow), at both sizes. 0.5 MiB is 4x the
 # largest, and half of the 1 MiB arena step that the figure took before Python's allocations were
 # traced one by one (which made this test fail once in four `make test` runs).
-ALLOWED_SPREAD_MIB = {1: 0.5, 2: 0.5}
+# At nproc=2 the ranks talk through gloo, whose worker threads hold transient buffers: a run can catch
+# them at its peak by thread timing. With the start-up measured apart (issue 29) the job's own peak is
+# what is gated, and a loaded CI machine read torch's at 177.77 MiB once against 174.60 and 174.49 (+3.17
+# MiB; 20 reruns here, quiet and under two busy loops, read 174.32-174.44: travel_spread.txt). Real gloo
+# FSDP2 holds 0, 1.5-2.0 or 3.7-3.9 MiB of them (tests/test_simulate.py): nproc=2 allows that much more.
+GLOO_TRANSIENT_MIB = 4.0
+ALLOWED_SPREAD_MIB = {1: 0.5, 2: 0.5 + GLOO_TRANSIENT_MIB}
 
 TORCH_JOB = '''
 import os
@@ -118,8 +124,8 @@ def framework_copy(request) -> Iterator[tuple[Path, Path]]:
 
 
 def _measure(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: Path,
-             pythonpath: str | None, label: str) -> dict[int, tuple[float, float]]:
-    """{world size: (gated MiB, VmHWM MiB)} of rank 0, from the JSON report of one real run."""
+             pythonpath: str | None, label: str) -> dict[int, tuple[float, float, str]]:
+    """{world size: (gated MiB, VmHWM MiB, rank 0's largest peak sites)} from the JSON report of one run."""
     if pythonpath is None:
         monkeypatch.delenv("PYTHONPATH", raising=False)
     else:
@@ -132,7 +138,9 @@ def _measure(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: P
     out = {}
     for size in sizes:
         assert size["methods"]["0"] == "live allocations (memray)"
-        out[size["nproc"]] = (size["gated_mib"], size["rss_ranks"]["0"])
+        sites = sorted((size.get("sites") or {}).get("0") or [], key=lambda site: -site["mib"])[:3]
+        out[size["nproc"]] = (size["gated_mib"], size["rss_ranks"]["0"],
+                              "; ".join(f"{site['where']} {site['mib']:.2f}" for site in sites))
     return out
 
 
@@ -153,11 +161,12 @@ def test_gated_figure_holds_across_installs_and_reruns(pytester, monkeypatch, la
     for nproc in (1, 2):
         gated = [run[nproc][0] for run in runs.values()]
         hwm = [run[nproc][1] for run in runs.values()]
-        summary = {label: run[nproc] for label, run in runs.items()}
+        summary = {label: run[nproc][:2] for label, run in runs.items()}
+        sites = "\n".join(f"  {label}: {run[nproc][2]}" for label, run in runs.items())
         allowed = ALLOWED_SPREAD_MIB[nproc]
         assert max(gated) - min(gated) <= allowed, (
             f"nproc={nproc}: gated figure moved by more than {allowed} MiB "
-            f"(VmHWM spread {max(hwm) - min(hwm):.1f} MiB): {summary}")
+            f"(VmHWM spread {max(hwm) - min(hwm):.1f} MiB): {summary}\nrank 0's largest peak sites:\n{sites}")
 
 
 def test_counting_python_objects_by_arena_is_the_cheaper_coarser_choice(pytester, launch_tag):
