@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test module's `from conftest import` is the tests' conftest
 
 from tests.test_figures_travel import ALLOWED_SPREAD_MIB, ONEFLOW_JOB, TORCH_JOB, _folder_as_long_as  # noqa: E402
 
