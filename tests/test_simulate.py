@@ -25,9 +25,10 @@ from pytest_gpumem.sampling import Peak
 # Margin: 5x the largest, an eighth of the 16 MiB the twin grows by a rank.
 MARGIN_MIB = 2.0
 # Real gloo FSDP2 at nproc=2 also holds 0, 1.5-2.0 or 3.7-3.9 MiB of gloo's transient buffers at its
-# peak, by thread timing, whole-tracked and start-up + job alike; the stand-in holds none, so it reads
-# the low value. GLOO_TRANSIENT_MIB (conftest) is allowed above the margin, with 2 MiB to spare: still
-# far below the 32 MiB the twin adds at nproc=2.
+# peak, by thread timing, whole-tracked and start-up + job alike, and a real gloo DDP job read 3.17 MiB
+# above its reruns once (test_figures_travel); the stand-in holds none, so it reads the low value.
+# GLOO_TRANSIENT_MIB (conftest) is allowed above the margin for both real jobs: still far below the
+# 32 MiB the twin adds at nproc=2.
 
 
 # ------------------------------------------------------------------------------ the rank's contract
@@ -137,8 +138,7 @@ def test_simulated_nproc2_reads_the_real_figure_and_catches_the_same_regression(
         print(f"{job} nproc=2: real {real['gated_mib']:.2f} MiB, simulated {simulated['gated_mib']:.2f} MiB")
         assert real["simulated"] == [] and simulated["simulated"] == [0]
         assert real["methods"]["0"] == simulated["methods"]["0"] == "live allocations (memray)"
-        above = GLOO_TRANSIENT_MIB if job == "fsdp2" else 0.0
-        assert -MARGIN_MIB <= real["gated_mib"] - simulated["gated_mib"] <= MARGIN_MIB + above
+        assert -MARGIN_MIB <= real["gated_mib"] - simulated["gated_mib"] <= MARGIN_MIB + GLOO_TRANSIENT_MIB
 
     healthy = max(sizes["test_ddp_real"]["gated_mib"], sizes["test_ddp_simulated"]["gated_mib"])
     limit = f", max_mib={healthy + 16:.2f}"  # the twin at 2 keeps 32 MiB more
