@@ -68,7 +68,6 @@ class Gate:
         cause: Cause | None = "crash" if problems else None  # the first problem's kind is the test's cause
         notes = [note for run in test.runs for note in run.notes]
         notes += [note for result in test.results for note in result.sites_notes]
-        notes = list(dict.fromkeys(notes))  # the same note from several sizes is said once
         warnings: list[str] = []
         stored: dict[int, Entry] = {}
         filed: dict[int, str] = {}  # world size -> the platform key its baseline is filed under

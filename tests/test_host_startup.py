@@ -11,8 +11,6 @@ import json
 
 import pytest
 
-from pytest_gpumem.launching.rank_reading import MANY_SETUP_IMPORTS
-
 pytestmark = pytest.mark.slow
 
 MODULE = '''
@@ -103,23 +101,3 @@ def test_a_rank_that_cannot_start_ends_with_the_probe_not_a_second_launch(job, p
     result.assert_outcomes(failed=1)
     assert starts == ["1", "1"]  # pytest's, then the probe's one rank at nproc=1; nothing after it
     result.stdout.fnmatch_lines(["*broken at import*"])
-
-
-def test_a_body_that_imports_many_modules_is_told_to_import_them_at_the_top(pytester, tmp_path, monkeypatch,
-                                                                            launch_tag):
-    """The same package imported in the body (tracked at every launch: a warning says where it
-    belongs) and at the top of the module (in the start-up, measured once: nothing to say)."""
-    monkeypatch.setenv("GPUMEM_STARTUP_CACHE", str(tmp_path / "startups.json"))
-    count = MANY_SETUP_IMPORTS + 10
-    package = pytester.mkpydir("many")
-    for i in range(count):
-        (package / f"m{i}.py").write_text("X = 1\n")
-    (package / "__init__.py").write_text("".join(f"from . import m{i}  # noqa\n" for i in range(count)))
-    body = "import pytest\n\n\n@pytest.mark.gpumem(nproc=1)\ndef test_job():\n    import many  # noqa\n"
-    pytester.makepyfile(test_body=body, test_top="import many  # noqa\n" + body)
-    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-floor=off")
-    result.assert_outcomes(passed=2)
-    said = [line for line in result.outlines if "modules after its test's setup began" in line]
-    assert len(said) == 1, said
-    assert said[0].strip().startswith(f"test_body.py:4: GpumemWarning: rank 0 imported {count + 1} modules after "
-                                      f"its test's setup began (many {count + 1}): the host tracker follows")

@@ -25,12 +25,6 @@ from .launch import LaunchResult
 from .launcher import launcher
 from .runs import SizeRun
 
-# A test whose setup and body import this many modules or more is told to import them at the top of
-# its module: the host tracker follows every allocation of an import (2-3x slower: torch DDP's lazy
-# ``torch._dynamo`` is 819 modules, 1.3 s untracked, 3.6 s tracked), at every launch, where the
-# start-up (collection included) is measured once. A typical body imports none to a few dozen.
-MANY_SETUP_IMPORTS = 100
-
 
 @dataclass(frozen=True)
 class Reading:
@@ -67,7 +61,6 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                      f"simulated world: {note}" not in notes)
         if rank == 0:
             provenance = dict(report.provenance)
-    notes.extend(setup_imports_note(reports))
     # settings the test declared through the gpumem_config fixture
     provenance.update(config_provenance(protocol.read_config(workdir, 0)))
     host_peaks = host.peaks()
@@ -115,18 +108,6 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         run.startup_files.update(report.startup_files)
     run.problems = failures.problems(run.launch, run.outcomes, reading.context)
     return run
-
-
-def setup_imports_note(reports: dict[int, protocol.ExitReport]) -> list[str]:
-    """A note where a rank's setup and body imported many modules under the host tracker."""
-    for rank, report in sorted(reports.items()):
-        count = sum(report.setup_imports.values())
-        if count >= MANY_SETUP_IMPORTS:
-            packages = ", ".join(f"{name} {n}" for name, n in list(report.setup_imports.items())[:4])
-            return [f"rank {rank} imported {count} modules after its test's setup began ({packages}): the host "
-                    "tracker follows an import's every allocation, 2-3x slower, at every launch. Imported at the "
-                    "top of the test module, they are part of the start-up, measured once (docs/host.md)"]
-    return []
 
 
 def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int]) -> dict[int, protocol.RankResult]:

@@ -101,8 +101,6 @@ class ExitReport:
     simulation: list[str] = field(default_factory=list)  # a simulated rank: what its stand-in did (notes)
     alloc_startup: list[float] | None = None  # [live, peak] MiB of the start-up, where this rank measured it
     startup_files: dict[str, str] = field(default_factory=dict)  # rootdir files it imported -> SHA-256
-    # modules imported after its test's setup began, by top-level package, where the capture began there
-    setup_imports: dict[str, int] = field(default_factory=dict)
 
 
 def write_exit(workdir: Path, rank: int, report: ExitReport) -> None:

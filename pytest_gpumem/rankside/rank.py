@@ -12,7 +12,6 @@ versions of the frameworks it imported.
 from __future__ import annotations
 
 import atexit
-import collections
 import faulthandler
 import functools
 import os
@@ -71,7 +70,6 @@ _allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator w
 _tracker: "AllocationTracker | None" = None  # this rank's host tracker, where its test's setup ends or begins a capture
 _startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
 _report: "Callable[[], None] | None" = None  # writes this rank's exit report (registered with atexit too)
-_modules_at_setup: frozenset[str] | None = None  # sys.modules where the job's capture began
 
 
 def startup_ended() -> None:
@@ -81,7 +79,7 @@ def startup_ended() -> None:
     The collector runs first, so that the start-up's garbage is not in its live figure (the probe)
     and the job starts from the same collector state in every launch.
     """
-    global _tracker, _modules_at_setup
+    global _tracker
     tracker, _tracker = _tracker, None
     if tracker is None:
         return
@@ -91,7 +89,6 @@ def startup_ended() -> None:
     if _startup is not None:
         tracker.startup = _startup
         tracker.start()
-        _modules_at_setup = frozenset(sys.modules)  # memray's own import is the plugin's, not the job's
         return
     # A probe: its figures (or its problem) go into the exit report, written now. The rank ends at
     # once: the frameworks' shutdown could wait for peers that have already ended theirs.
@@ -217,7 +214,6 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     from ..sampling.identity import cpu_provenance, host_provenance
     from . import protocol, simulate
 
-    setup_imports = _setup_imports()  # before reading the capture imports anything
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
@@ -229,17 +225,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
         alloc_timeline=[[t, mib] for t, mib in tracker.timeline], sites_problem=tracker.sites_problem,
         gpu_allocator=gpu_allocator, simulation=list(simulate.notes),
         alloc_startup=None if measured is None else list(measured),
-        startup_files=_local_files() if measured is not None else {}, setup_imports=setup_imports,
-        **_gpu_report(gpu_sampler)))
-
-
-def _setup_imports() -> dict[str, int]:
-    """Modules imported since the job's capture began at the test's setup, counted by top-level
-    package: the tracker followed their import in every launch (the parent says so when they are many)."""
-    if _modules_at_setup is None:
-        return {}
-    counts = collections.Counter(name.partition(".")[0] for name in set(sys.modules) - _modules_at_setup)
-    return dict(counts.most_common())
+        startup_files=_local_files() if measured is not None else {}, **_gpu_report(gpu_sampler)))
 
 
 def _local_files() -> dict[str, str]:
