@@ -5,9 +5,11 @@
 
 For each framework (the interpreter given) and each job (a no-op: init, one collective, end; and the
 DDP example's job: examples/test_torch_ddp.py's model and batch, examples/test_oneflow_eager_dp.py's
-for OneFlow), imported at the top of the test module as the examples do, and for torch the DDP job
-again with what DDP's constructor imports lazily (``torch._dynamo``) imported at the top of its test
-module too (``ddp_top``), one two-rank launch is timed as:
+for OneFlow), imported at the top of the test module as the examples do, one two-rank launch is
+timed. torch's DDP job runs twice: ``ddp``, whose constructor imports ``torch._dynamo`` lazily, in the
+body (~820 modules, tracked at every launch), as examples/test_torch_ddp.py does, and ``ddp_top``,
+whose test module imports it at its top (at collection: in the start-up, measured once; such a job
+deadlocks at its end more often, benchmarks/gloo_teardown_deadlock.py). Modes:
 
 - ``bare``: the two ranks spawned directly (the direct launcher's env contract), no pytest;
 - ``pytest``: pytest's own start-up and exit, one plain test in the same file (no --gpumem);
