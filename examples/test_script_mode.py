@@ -1,9 +1,9 @@
 """Script mode: the plugin launches an existing training entry point the way users launch it.
 
 Rank-0 peak of live allocations of `examples/train_net.py --steps 3` (torch 2.13 CPU, gloo), MiB:
-211.7 at nproc=1 and 211.7 at nproc=2 (1.00x) through the direct launcher. DDP keeps the per-rank
-batch fixed, so max_ratio=1.3 leaves ~64 MiB of room. With `--gather-batch` (a 2048-row batch) it
-reads 375.8 and 503.8 MiB (1.34x) and fails the same limit by ~15 MiB, naming the all-gather's line.
+200.2 at nproc=1 and 200.2 at nproc=2 (1.00x) through the direct launcher. DDP keeps the per-rank
+batch fixed, so max_ratio=1.3 leaves ~60 MiB of room. With `--gather-batch` (a 2048-row batch) it
+reads 360.3 and 488.3 MiB (1.36x) and fails the same limit by ~20 MiB, naming the all-gather's line.
 (The script prints its own ru_maxrss, which is resident memory and reads ~390 MiB.)
 """
 import pytest
