@@ -21,16 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_cost import free_port, write_cases  # noqa: E402
+from host_cost import spawn_bare, write_cases  # noqa: E402
 
 
 def launch(python: str, folder: Path, job: str, timeout: float, dump: Path) -> str:
     """'ok', 'failed' or 'hung' (the live ranks' stacks written to ``dump``-<rank>.gdb)."""
-    port = str(free_port())
-    procs = [subprocess.Popen([python, f"job_{job}.py"], cwd=folder, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL,
-                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                                   "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)]
+    procs = spawn_bare(python, folder, job, dict(os.environ))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)

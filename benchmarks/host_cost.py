@@ -141,6 +141,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def spawn_bare(python: str, folder: Path, job: str, env: dict[str, str]) -> list[subprocess.Popen]:
+    """The job's two ranks, spawned directly with the direct launcher's env contract (no pytest)."""
+    port = str(free_port())
+    return [subprocess.Popen([python, f"job_{job}.py"], cwd=folder, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL,
+                             env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+                                  "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)]
+
+
 def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
     """(exit code, CPU seconds of the process and of every process it waited for)."""
     deadline = time.monotonic() + timeout
@@ -158,11 +167,7 @@ def run_once(python: str, mode: str, job: str, folder: Path, env: dict[str, str]
     """(wall seconds, CPU seconds) of one launch (None: it failed)."""
     start = time.monotonic()
     if mode == "bare":
-        port = str(free_port())
-        procs = [subprocess.Popen([python, f"job_{job}.py"], cwd=folder, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL,
-                                  env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                                       "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)]
+        procs = spawn_bare(python, folder, job, env)
         results = [_wait(p, 600) for p in procs]
         ok = all(code == 0 for code, _ in results)
         cpu = sum(c for _, c in results)

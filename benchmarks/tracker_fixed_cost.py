@@ -17,6 +17,11 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_cost import framework_of  # noqa: E402
 
 PROBE = r'''
 import json, os, sys, tempfile, time
@@ -36,11 +41,6 @@ t3 = time.process_time()
 os.unlink(path)
 print(json.dumps({"import memray": t1 - t0, "start": t2 - t1, "stop": t3 - t2}))
 '''
-
-
-def framework_of(python: str) -> str:
-    code = "import importlib.util as u; print('torch' if u.find_spec('torch') else 'oneflow')"
-    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
