@@ -8,7 +8,7 @@ interpreter (the plugin does the writing, so the CLI and pytest can never disagr
 job, same machine): exit 0 without a regression, 1 with one, 2 on input it cannot compare.
 ``gpumem measure --nproc 1,2,4 -- train_net.py ...`` runs a program at each size (``measure.py``).
 ``gpumem bisect GOOD BAD -- tests/test_x.py::test_y`` finds the commit that grew a test's peak
-(the ``bisect`` package).
+(the ``bisect`` package). ``gpumem calibrate`` records this machine's GPU model for the fake GPU.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bisect", add_help=False,  # parsed by bisect/command.py: everything after -- names the test
                    help="find the first commit at which a test's gated peak grew past the tolerance "
                         "(gpumem bisect --help)")
+    sub.add_parser("calibrate", add_help=False,  # parsed by calibrate.py
+                   help="on a real GPU: record its model (properties, library workspaces) for the fake GPU "
+                        "(gpumem calibrate --help)")
     diff = sub.add_parser("diff", help="compare the gated peaks of two JSON reports (exit 1 on a regression)",
                           description="Per test and world size: gated peak OLD -> NEW; a regression is "
                                       "NEW > OLD + tolerance. Exit 0: none, 1: a regression, 2: bad input.")
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import bisect
 
         return bisect.main(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from . import calibrate
+
+        return calibrate.main(argv[1:], lambda: baselines_dir(None, Path.cwd(), dict(os.environ)))
     args = _parser().parse_args(argv)
     if args.command == "diff":
         return _diff(args)

@@ -84,6 +84,13 @@ def pytest_configure(config: pytest.Config) -> None:
         resolved.make_output_folders()
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+    if resolved.enabled and resolved.fake_gpu != "off":  # a model nobody measured: say so before any launch
+        from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
+
+        try:
+            model(resolved.fake_gpu_model, resolved.baselines / CALIBRATION_FILE)
+        except CalibrationError as exc:
+            raise pytest.UsageError(f"pytest-gpumem: gpumem_fake_gpu_model: {exc}") from None
     if resolved.plots is not None:
         from .presentation import plots
 
@@ -221,12 +228,13 @@ class ParentSide:
             from .gate import Gate
             from .judging.baseline import BaselineStore
             from .launching.floor_cache import FloorCache
-            from .launching.gpus import GpuPlanner
+            from .launching.gpus import FakeGpus, GpuPlanner
             from .launching.launcher import LauncherOptions
             from .launching.leases import default_lease_dir
             from .launching.rank_setup import RankSetup
             from .launching.runner import Runner
             from .launching.startups import Startups
+            from .rankside.fakegpu.models import CALIBRATION_FILE
 
             resolved = self.settings
             interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
@@ -254,6 +262,7 @@ class ParentSide:
                 launcher_options=LauncherOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
                 fail_fast_grace=resolved.fail_fast_grace,
                 startups=Startups(resolved.host_startup, resolved.startup_cache, Path(self.config.rootpath)),
+                fake_gpus=FakeGpus(resolved.fake_gpu_model, resolved.baselines / CALIBRATION_FILE),
             )
             self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
         return self._machinery

@@ -20,6 +20,7 @@ from .spec import (
     DEFAULT_ALLOCATED_TOLERANCE,
     DEFAULT_TOLERANCE,
     DEVICES,
+    FAKE_GPU,
     LAUNCHERS,
     SIMULATE,
     TOLERANCE_ACCEPTED,
@@ -259,6 +260,16 @@ OPTIONS: tuple[Option, ...] = (
            "stand-in communicator that keeps every tensor's size, so its allocator figure is the real one. "
            "auto: the sizes that need more GPUs than there are; on: every size above 1; off: never (larger "
            "sizes are then predicted or shown as not launched). A marker's simulate wins"),
+    Option("fake_gpu", "--gpumem-fake-gpu", "GPUMEM_FAKE_GPU", "gpumem_fake_gpu",
+           _choice(FAKE_GPU), "auto", "one of " + ", ".join(FAKE_GPU),
+           "run device='gpu' tests on a fake GPU (torch; docs/fake-gpu.md): the job as written for CUDA, "
+           "every CUDA tensor a fake one, the allocator figure counted as on the emulated model, every size "
+           "a simulated world. auto: where this machine has no GPU; on: always; off: never. A marker's "
+           "fake_gpu wins"),
+    Option("fake_gpu_model", "--gpumem-fake-gpu-model", "GPUMEM_FAKE_GPU_MODEL", "gpumem_fake_gpu_model",
+           str, "NVIDIA H200", "a GPU model built in or in the baselines' gpumem-calibration.json",
+           "the GPU model a fake GPU emulates (its properties and library workspaces; gpumem calibrate "
+           "records another)"),
     Option("unlaunched", "--gpumem-unlaunched", "GPUMEM_UNLAUNCHED", "gpumem_unlaunched",
            _choice(("auto", "warn", "fail")), "auto", "one of auto, warn, fail",
            "what a scaling test does when no size above nproc=1 could be gated (too few GPUs, nothing "
@@ -333,6 +344,8 @@ class Settings:
     simulate: str = "auto"
     unlaunched: str = "auto"
     fail_fast_grace: float = 2.0
+    fake_gpu: str = "auto"
+    fake_gpu_model: str = "NVIDIA H200"
 
     def defaults(self) -> Defaults:
         return Defaults(
@@ -344,6 +357,7 @@ class Settings:
             device=self.device,
             allocated_tolerance=self.allocated_tolerance,
             simulate=self.simulate,
+            fake_gpu=self.fake_gpu,
         )
 
     def make_output_folders(self) -> None:

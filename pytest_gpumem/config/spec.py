@@ -17,6 +17,10 @@ DEVICES = ("auto", "gpu", "cpu")
 # rank, or every rank for rank="all", alone with a stand-in communicator), or auto: for real where
 # the GPUs exist, simulated above (torch only).
 SIMULATE = ("auto", "on", "off")
+# Whether a device="gpu" test runs on a fake GPU (rankside.fakegpu: every CUDA tensor a fake one,
+# counted as torch's caching allocator counts it): auto where this machine has no GPU, on always,
+# off never (without a GPU the test is then skipped, saying so).
+FAKE_GPU = ("auto", "on", "off")
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
 DEFAULT_TOLERANCE = "max(5%, 32MiB)"  # gpumem_tolerance's default, and a report's when it names none
 # The allocator's peak of live tensors (torch max_memory_allocated) read the same to 0.01 MiB in
@@ -122,6 +126,7 @@ class Defaults:
     device: str = "auto"
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
     simulate: str = "auto"
+    fake_gpu: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ class Spec:
     figures: tuple[tuple[str, str], ...] = DEFAULT_FIGURES  # limit -> figure it reads on a GPU
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
     simulate: str = "auto"
+    fake_gpu: str = "auto"
 
     def figure(self, limit: str) -> str:
         """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
@@ -219,6 +225,10 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "sizes above nproc=1 as a simulated world (torch): the gated rank, or every rank for "
                    "rank='all', runs alone with a stand-in communicator; auto simulates only the sizes that "
                    "need more GPUs than there are, on simulates every size above 1, off never"),
+    MarkerArgument("fake_gpu", "[gpumem_fake_gpu]", "one of " + ", ".join(FAKE_GPU),
+                   "device='gpu' tests on a fake GPU (torch): the job unchanged, every CUDA tensor a fake "
+                   "one, its allocator figure counted as on the emulated GPU model; auto where this machine "
+                   "has no GPU, on always, off never (a test with no GPU is then skipped)"),
 )
 _ARGS = tuple(argument.name for argument in MARKER_ARGUMENTS)
 
@@ -346,6 +356,13 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     if simulate not in SIMULATE:
         raise SpecError(f"simulate={simulate!r} is not accepted: expected one of {', '.join(SIMULATE)}")
 
+    fake_gpu = kw.get("fake_gpu", defaults.fake_gpu)
+    if fake_gpu not in FAKE_GPU:
+        raise SpecError(f"fake_gpu={fake_gpu!r} is not accepted: expected one of {', '.join(FAKE_GPU)}")
+    if fake_gpu == "on" and device != "gpu":
+        raise SpecError(f"fake_gpu='on' is not accepted with device={device!r}: a fake GPU stands in for "
+                        "GPU memory, so it needs device='gpu'")
+
     return Spec(
         nproc=nproc,
         max_mib=max_mib,
@@ -365,5 +382,6 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         figures=tuple(sorted({**dict(DEFAULT_FIGURES), **dict(figures)}.items())),
         allocated_tolerance=allocated_tolerance,
         simulate=simulate,
+        fake_gpu=fake_gpu,
     )
 # pragma: no mutate end

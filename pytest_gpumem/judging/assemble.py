@@ -95,6 +95,7 @@ def build(test: Run, verdict: Verdict | None, status: Status, *, cause: Cause | 
             live_timeline=tuple((round(t, 4), {r: round(v, 2) for r, v in point.items()})
                                 for t, point in result.live_timeline),
             simulated=result.simulated,
+            fake_gpu=result.fake_gpu,
         ))
     if messages is None:
         messages = [c.text(verdict.digits) for c in verdict.failures] if verdict is not None else []

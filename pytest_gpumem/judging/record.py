@@ -147,6 +147,7 @@ class SizeRecord:
     live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the live figure over time
     start: str = ""  # how the ranks were started: fork, exec, or "exec (why not fork)"
     simulated: tuple[int, ...] = ()  # a simulated world: the ranks measured (verdict.SizeResult.simulated)
+    fake_gpu: str = ""  # the GPU model a fake GPU emulated ("": a real GPU, or host memory)
 
     @property
     def failed(self) -> bool:
@@ -294,6 +295,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "timeline": [[t, _keyed(point)] for t, point in s.timeline],
         "predicted": None if s.prediction is None else dict(s.prediction),
         "simulated": list(s.simulated),
+        "fake_gpu": s.fake_gpu,
         "allocated_ranks": _keyed(s.allocated_ranks,
                                   lambda a: {"allocated_mib": a.mib, "reserved_mib": a.reserved_mib}),
         "allocated_mib": s.allocated_mib,

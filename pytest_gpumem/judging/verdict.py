@@ -64,6 +64,9 @@ class SizeResult:
     # communicator; () for a real launch. The allocator figure is exact; the device figure lacks the
     # communicator's own buffers, so it is a lower bound; a host figure lacks them too.
     simulated: tuple[int, ...] = ()
+    # A fake GPU (rankside.fakegpu): the GPU model emulated, "" on a real GPU or on host memory. Its
+    # sizes are simulated worlds too; its device figure is the allocator figure (there is no device).
+    fake_gpu: str = ""
 
     @property
     def predicted(self) -> bool:
@@ -96,6 +99,8 @@ class SizeResult:
     @property
     def basis(self) -> str:
         """What the figure stands on, next to the device: empty for a measurement of a real world."""
+        if self.fake_gpu:
+            return "fake GPU"
         if self.simulated:
             return "simulated world"
         return "" if self.prediction is None else self.prediction.describe()
@@ -287,7 +292,9 @@ class Verdict:
                 text += f" ({ratio:.2f}x)"
             if result.predicted:
                 text += " predicted"
-            if result.simulated:
+            if result.fake_gpu:
+                text += " fake GPU"
+            elif result.simulated:
                 text += " simulated"
             if any(c.world_size == result.world_size for c in self.failures):
                 text += " FAIL"
@@ -325,7 +332,9 @@ class Verdict:
                 for r, p in sorted(result.peaks.items())
             )
             reused = " (reference reused)" if result.reused else ""
-            if result.simulated:
+            if result.fake_gpu:
+                reused += f" (fake {result.fake_gpu}: {simulated_ranks(result)} alone, every CUDA tensor fake)"
+            elif result.simulated:
                 reused += f" (simulated: {simulated_ranks(result)} alone with a stand-in communicator)"
             lines.append(
                 f"  nproc={result.world_size} {result.device} MiB per rank {{{ranks}}} "
@@ -416,7 +425,14 @@ def judge(
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
             _baseline_checks(spec, result, base, check, extra_notes)
-    simulated = [r for r in results if r.simulated]
+    fake = [r for r in results if r.fake_gpu]
+    if fake:
+        sizes = ", ".join(str(r.world_size) for r in fake)
+        extra_notes.append(f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): the allocator figure is what "
+                           "torch's caching allocator would count on that model, and it stands for the device "
+                           "figure, which a fake GPU has not (no CUDA context, no NCCL buffers, no allocator "
+                           "cache): a lower bound of what nvidia-smi would show")
+    simulated = [r for r in results if r.simulated and not r.fake_gpu]
     if simulated:
         sizes = ", ".join(str(r.world_size) for r in simulated)
         exact = "its allocator figure is exact; " if any(r.allocated for r in simulated) else ""

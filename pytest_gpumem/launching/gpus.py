@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config.spec import Spec
+from ..rankside.fakegpu import CALIBRATION_ENV, FAKE_GPU_ENV
+from ..sampling.identity import fake_gpu_name
 from ..sampling.nvml import (
     DEFAULT_INTERVAL_S,
     NvmlSampler,
@@ -30,6 +32,23 @@ class GpuPlan:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, str] = field(default_factory=dict)  # driver versions, for the baseline
+    fake_gpu: str | None = None  # the GPU model a fake GPU emulates (rankside.fakegpu); None: real
+
+
+@dataclass(frozen=True)
+class FakeGpus:
+    """A launch on a fake GPU: no device leased or watched, the ranks told which model to emulate
+    (and the calibration file that may describe it)."""
+
+    model: str
+    calibration: Path | None = None
+
+    def __call__(self, spec: Spec, nproc: int, owner: str) -> GpuPlan:
+        env = {FAKE_GPU_ENV: self.model}
+        if self.calibration is not None and self.calibration.exists():
+            env[CALIBRATION_ENV] = str(self.calibration)
+        return GpuPlan(env=env, gpu_name=fake_gpu_name(self.model), fake_gpu=self.model,
+                       provenance={"fake_gpu": self.model})
 
 
 class GpuPlanner:

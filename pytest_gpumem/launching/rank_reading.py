@@ -72,6 +72,10 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
     use_gpu = spec.device == "gpu" or (
         spec.device == "auto" and any(p.mib is not None for p in gpu_peaks.values())
     )
+    allocated, sites, live, site_notes = rank_figures(reports, use_gpu, started_at)
+    if plan.fake_gpu:  # no device: the allocator figure stands for it (a lower bound of nvidia-smi's)
+        gpu_peaks = {rank: Peak(a.mib, f"fake GPU {plan.fake_gpu}: the allocator figure (no device figure)")
+                     for rank, a in allocated.items()}
     peaks = gpu_peaks if use_gpu else host_peaks
     if use_gpu:
         provenance.update(plan.provenance)
@@ -81,7 +85,6 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                      "tracked (GPUs were leased: a GPU figure was expected); it is the resident high-water "
                      'mark. device="cpu" or --gpumem-track-host=on gates the peak of live allocations')
     timeline = gpu.timeline() if use_gpu and gpu is not None else host.timeline()
-    allocated, sites, live, site_notes = rank_figures(reports, use_gpu, started_at)
     result = SizeResult(
         world_size=nproc,
         device="gpu" if use_gpu else "cpu",
@@ -96,6 +99,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         sites=sites,
         live_timeline=live,
         sites_notes=tuple(site_notes),
+        fake_gpu=plan.fake_gpu or "",
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,

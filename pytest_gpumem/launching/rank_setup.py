@@ -76,7 +76,7 @@ class RankSetup:
         """
         if self.track_host in ("on", "off"):
             return self.track_host == "on"
-        return not (plan.sampler is not None and spec.device != "cpu")
+        return not ((plan.sampler is not None or plan.fake_gpu) and spec.device != "cpu")
 
     def fork_refusal(self, spec: Spec, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
         """Why this launch's ranks are exec'd rather than forked from pytest (None: forked).
@@ -87,6 +87,8 @@ class RankSetup:
         """
         if self.start == "exec":
             return EXEC_ASKED
+        if plan.fake_gpu:
+            return "a fake GPU loads its CUDA shim before the rank imports torch"
         if self.start == "auto" and (plan.sampler is None or spec.device == "cpu"):
             return NOT_GPU
         if not launcher(spec.launcher).per_rank:

@@ -55,6 +55,7 @@ class Runner:
         launcher_options: LauncherOptions | None = None,
         fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S,
         startups: Startups | None = None,
+        fake_gpus: GpuSetup | None = None,
     ) -> None:
         self.cwd = cwd
         self.setup = setup
@@ -70,6 +71,7 @@ class Runner:
         self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
         self.fail_fast_grace = fail_fast_grace  # seconds the other ranks get once one failed
         self.startups = startups or Startups("tracked", None, cwd)  # the ranks' start-ups, measured once
+        self.fake_gpus = fake_gpus  # a fake GPU's launches (launching.gpus.FakeGpus); None: none here
 
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
@@ -113,7 +115,11 @@ class Runner:
     def _launch_probe(self, test_id: str, probe: Spec, nproc: int) -> SizeRun:
         return self._launch(test_id, probe, nproc, self._plan(probe, nproc, f"{test_id} (floor)"))
 
-    def _plan(self, spec: Spec, nproc: int, test_id: str) -> GpuPlan:
+    def _plan(self, spec: Spec, nproc: int, test_id: str, fake: bool = False) -> GpuPlan:
+        if fake:
+            if self.fake_gpus is None:
+                return GpuPlan(skip_reason="a fake GPU was asked for, but this session has none set up")
+            return self.fake_gpus(spec, nproc, test_id)
         own = launcher(spec.launcher).plan(spec, nproc)  # e.g. srun: Slurm binds the GPUs
         return own if own is not None else self.gpu_setup(spec, nproc, test_id)
 
@@ -140,7 +146,7 @@ class Runner:
                 continue
             spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
             processes = self._processes(result.world_size, result.simulated)
-            plan = self._plan(spec, processes, f"{test.test_id} (peak sites)")
+            plan = self._plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
             if plan.skip_reason is not None:
                 continue
             again = self._launch(test.test_id, spec, result.world_size, plan, history=True,
@@ -157,13 +163,16 @@ class Runner:
                 f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
                 f"{figure} (--gpumem-sites=on records it in every launch)",))
 
-    def simulate(self, test_id: str, spec: Spec, world_size: int, ranks: tuple[int, ...], gpus: int | None) -> SizeRun:
+    def simulate(self, test_id: str, spec: Spec, world_size: int, ranks: tuple[int, ...], gpus: int | None,
+                 fake: bool = False) -> SizeRun:
         """Ranks ``ranks`` of a world of ``world_size`` that is not launched whole: each a real
         process with a stand-in communicator (``rankside.simulate``), all at once, sharing the
-        ``gpus`` GPUs present (None: host memory). Its figures are keyed by the ranks they stand for."""
-        self.simulated_gpus = gpus
+        ``gpus`` GPUs present (None: host memory), or each on a fake GPU (``fake``). Its figures are
+        keyed by the ranks they stand for."""
+        self.simulated_gpus = None if fake else gpus
         direct = replace(spec, launcher="direct")  # a launcher would start the whole world
-        plan = self._plan(direct, self._processes(world_size, ranks), f"{test_id} (simulated nproc={world_size})")
+        plan = self._plan(direct, self._processes(world_size, ranks), f"{test_id} (simulated nproc={world_size})",
+                          fake=fake)
         if plan.skip_reason is not None:
             return SizeRun(result=SizeResult(world_size, "gpu", {}, simulated=ranks),
                            launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])

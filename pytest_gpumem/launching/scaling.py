@@ -37,6 +37,13 @@ class Capacity:
             self._gpus = int(self._gpu_count())
         return self._gpus or None
 
+    def fake(self, spec: Spec) -> bool:
+        """Whether a test's sizes run on a fake GPU: device="gpu" with fake_gpu on, or auto where
+        this machine has no GPU."""
+        if spec.device != "gpu" or spec.fake_gpu == "off":
+            return False
+        return spec.fake_gpu == "on" or self.gpus(spec) is None
+
     def cap(self, spec: Spec) -> tuple[int | None, str]:
         """(largest launchable size or None for no cap, where that number comes from)."""
         if self.max_nproc is not None:
@@ -60,11 +67,15 @@ class Plan:
     unlaunched: tuple[int, ...] = ()  # neither launched, simulated nor predicted: shown, never gated
     why: str = ""  # why sizes were not launched for real (the cap and where it comes from)
     gpus: int | None = None  # the GPUs a simulated size's ranks share (None: host memory)
+    fake: bool = False  # every size on a fake GPU (rankside.fakegpu), each a simulated world
 
 
 def plan(spec: Spec, capacity: Capacity) -> Plan:
     """Every size that fits is launched; the others are simulated (``simulate``), else predicted from
     at least two launched sizes, else shown as not launched. Nothing that fits is skipped."""
+    if capacity.fake(spec):  # nothing launched for real: every size, 1 too, a fake GPU's simulated world
+        return Plan(replace(spec, nproc=(), max_ratio=None), simulated=spec.sizes, fake=True,
+                    why="a fake GPU" if spec.fake_gpu == "on" else "a fake GPU (this machine has no GPU)")
     cap, source = capacity.cap(spec)
     gpus = capacity.gpus(spec) if spec.simulate != "off" else None
     if spec.simulate == "on":  # every size above 1, whatever fits
@@ -122,7 +133,7 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
         chosen = replace(chosen, predicted=fallback.predicted)
     for n in simulated:
         ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
-        run = runner.simulate(test_id, spec, n, ranks, chosen.gpus)
+        run = runner.simulate(test_id, spec, n, ranks, chosen.gpus, fake=chosen.fake)
         test.runs.append(run)
         if run.problems or run.all_skipped is not None:
             test.skip_reason = run.all_skipped

@@ -93,7 +93,8 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
         peak = _mib(size.gated_mib, digits)
         if size.gated_mib is not None:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
-                         if size.predicted else "") + (", **simulated world**" if size.simulated else "")
+                         if size.predicted else "") + (f", **fake GPU** ({size.fake_gpu})" if size.fake_gpu else
+                                                       ", **simulated world**" if size.simulated else "")
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"
@@ -172,7 +173,11 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                   for rec in records for size in rec.sizes if size.predicted)
     legend.extend(f"simulated world: nproc={size.nproc} of `{rec.test}` (ranks {', '.join(map(str, size.simulated))} "
                   "each alone with a stand-in communicator: allocator figure exact, device and host figures "
-                  "without the communicator's buffers)" for rec in records for size in rec.sizes if size.simulated)
+                  "without the communicator's buffers)" for rec in records for size in rec.sizes
+                  if size.simulated and not size.fake_gpu)
+    legend.extend(f"fake GPU: nproc={size.nproc} of `{rec.test}` on a fake {size.fake_gpu} (every CUDA tensor fake: "
+                  "the allocator figure as torch would count it on that model; no device figure: no CUDA context, "
+                  "NCCL buffers or allocator cache)" for rec in records for size in rec.sizes if size.fake_gpu)
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -262,6 +267,8 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
             props.append((f"{key}_predicted", size.basis))
         if size.simulated:
             props.append((f"{key}_simulated", ",".join(map(str, size.simulated))))
+        if size.fake_gpu:
+            props.append((f"{key}_fake_gpu", size.fake_gpu))
     return props
 
 

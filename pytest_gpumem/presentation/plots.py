@@ -134,7 +134,8 @@ def _size_title(record: TestRecord, size: SizeRecord) -> str:
                 f"{size.gated_label} {size.gated_mib or 0:.1f} MiB{ratio} — {verdict}\n{size.basis}")
     peak = "no peak measured" if size.gated_mib is None else f"{size.gated_label} peak {size.gated_mib:.1f} MiB"
     reused = ", reference reused" if size.reused else ""
-    reused += ", SIMULATED world (stand-in communicator)" if size.simulated else ""
+    reused += (f", FAKE GPU ({size.fake_gpu}: allocator figure, no device figure)" if size.fake_gpu else
+               ", SIMULATED world (stand-in communicator)" if size.simulated else "")
     return f"nproc={size.nproc} ({size.device} memory): {peak}{ratio} — {verdict}{reused}"
 
 

@@ -212,10 +212,12 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     from ..oneflow.boxing import rank_provenance
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
-    from . import protocol, simulate
+    from . import fakegpu, protocol, simulate
 
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
+    if gpu_allocator and fakegpu.active:
+        gpu_allocator["fake_gpu"] = fakegpu.describe()
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
     measured = tracker.startup if _startup is None else None  # a probe's
@@ -314,7 +316,7 @@ def main(argv: list[str]) -> None:
     from ..oneflow.rendezvous import install_oneflow_gate
     from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from ..sampling.allocations import AllocationTracker
-    from . import protocol, simulate
+    from . import fakegpu, protocol, simulate
     from .gpu_allocator import TorchAllocator
 
     global _allocator, _tracker, _startup, _report
@@ -326,6 +328,9 @@ def main(argv: list[str]) -> None:
         simulate.install(simulated)
 
     _redirect_output(protocol.rank_file(workdir, rank, "log"))
+    fake_gpu = fakegpu.requested()
+    if fake_gpu is not None:  # before the target imports torch: the CUDA shim must be in first
+        fakegpu.install(fake_gpu, os.environ.get(fakegpu.CALIBRATION_ENV))
     stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported

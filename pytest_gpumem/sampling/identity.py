@@ -20,12 +20,21 @@ ENV_KNOB_PREFIXES = ("NCCL_", "ONEFLOW_", "TORCH_NCCL_")
 
 
 SIMULATED_KEY = " (simulated)"  # a simulated world's figures are filed apart from a real world's
+FAKE_KEY = " (fake)"  # a fake GPU's likewise: every size of it is a simulated world
 
 
 def simulated_key(platform: str) -> str:
     """``gpu:NVIDIA H200 (simulated)``: where a simulated size's baseline is filed. Its device and host
-    figures lack the communicator's buffers, so they never compare with a real launch's."""
-    return platform if platform.endswith(SIMULATED_KEY) else platform + SIMULATED_KEY
+    figures lack the communicator's buffers, so they never compare with a real launch's. A fake GPU's
+    platform (``gpu:NVIDIA H200 (fake)``) is filed apart already."""
+    if platform.endswith(SIMULATED_KEY) or platform.endswith(FAKE_KEY):
+        return platform
+    return platform + SIMULATED_KEY
+
+
+def fake_gpu_name(model: str) -> str:
+    """The name a fake GPU's figures are filed under: ``NVIDIA H200 (fake)``."""
+    return model + FAKE_KEY
 
 
 def platform_key(device: str, gpu_name: str | None = None) -> str:

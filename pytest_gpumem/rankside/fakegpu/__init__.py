@@ -1,0 +1,60 @@
+"""A fake GPU in a rank: the job as written for CUDA, on a machine without one.
+
+The launch sets ``GPUMEM_RANK_FAKE_GPU`` to the GPU model to emulate (``models``). Before the job
+imports torch, the CUDA shim is loaded (``shim``: torch's CPU build has no CUDA device guard);
+once torch is imported, ``torch.cuda`` answers for the model (``cuda_api``) and every CUDA tensor
+is a fake one (``dispatch``), counted as the caching allocator counts it (``accounting``). The
+rank's allocator figure (``max_memory_allocated``) is then read by the plugin as on a real GPU.
+There is no device figure: no CUDA context, no communicator, no allocator cache.
+
+Sizes run as a simulated world (``rankside.simulate``): with no GPU there is no NCCL, and a fake
+tensor has no values to communicate; the stand-in group keeps every collective's sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+FAKE_GPU_ENV = "GPUMEM_RANK_FAKE_GPU"  # the GPU model this rank's fake GPU emulates (set by the launch)
+CALIBRATION_ENV = "GPUMEM_FAKE_GPU_CALIBRATION"  # the calibration file beside the baselines, if any
+
+active: dict[str, Any] = {}  # once installed: "model" (GpuModel), "allocator" (FakeAllocator)
+
+
+def requested(env: Mapping[str, str] = os.environ) -> str | None:
+    """The GPU model this rank emulates, or None for a real GPU (or none)."""
+    return env.get(FAKE_GPU_ENV) or None
+
+
+def install(name: str, calibration: str | None = None) -> None:
+    """Load the shim now and arm the rest at torch's import. Raises ``ShimError`` or
+    ``CalibrationError`` with a message that says what to do."""
+    from ..imports import after_import
+    from . import models, shim
+    from .accounting import FakeAllocator
+
+    model = models.model(name, Path(calibration) if calibration else None)
+    shim.load()
+    allocator = FakeAllocator(model.cublas_workspace, model.cublaslt_workspace)
+    active.update(model=model, allocator=allocator)
+    after_import("torch", lambda torch: _arm(torch, allocator, model))
+
+
+def _arm(torch: ModuleType, allocator: Any, model: Any) -> None:
+    from . import cuda_api, dispatch
+
+    cuda_api.install(torch, allocator, model)
+    active["mode"] = dispatch.install(torch, allocator, model)
+
+
+def describe() -> dict[str, Any]:
+    """What the exit report says of this rank's fake GPU ({} on a real one)."""
+    model = active.get("model")
+    if model is None:
+        return {}
+    return {"model": model.name, "calibration": model.source, "measured_with": dict(model.measured_with),
+            "cublas_workspace_mib": model.cublas_workspace / 2**20,
+            "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20}

@@ -1,0 +1,188 @@
+"""What torch's CUDA caching allocator would count for a rank's fake CUDA tensors.
+
+``max_memory_allocated`` counts blocks: each storage's size rounded up to 512 bytes (the allocator's
+smallest block), from the op that creates it until its last tensor dies, resized in place where a
+job frees or regrows a storage (FSDP's parameters). Views share their base's block. Beyond the
+job's tensors, the allocator holds the math libraries' workspaces: cuBLAS's for each thread that
+runs a matrix product (the forward's and the autograd thread's), cuBLASLt's likewise; their sizes
+are the GPU model's (``models``).
+
+With history on, each block keeps the Python stack that allocated it, and the events are kept in
+the shape of torch's own allocator history, so the plugin's peak sites read them unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+BLOCK = 512  # kMinBlockSize: every allocation is a multiple of it
+HISTORY_DEPTH = 64
+
+
+def block_bytes(nbytes: int) -> int:
+    """The caching allocator's block for a request of ``nbytes`` (0 allocates nothing)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+@dataclass
+class _Block:
+    device: int
+    size: int
+    frames: list[dict[str, Any]] | None
+
+
+class FakeAllocator:
+    """The allocator's accounting of this rank's fake CUDA storages, per device."""
+
+    def __init__(self, cublas_workspace: int, cublaslt_workspace: int) -> None:
+        self.cublas_workspace = cublas_workspace
+        self.cublaslt_workspace = cublaslt_workspace
+        self.current: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self.allocations: dict[int, int] = {}  # device -> number of blocks allocated (the stats' count)
+        self._blocks: dict[int, _Block] = {}  # storage key -> its block
+        self._workspaces: dict[tuple[int, str, int], tuple[int, _Block]] = {}  # (thread, library, device)
+        self._scratch: dict[int, _Block] = {}
+        self._lock = threading.Lock()
+        self._next_addr = 1 << 40
+        self.history: list[dict[str, Any]] | None = None  # events, once history is on
+
+    # -- the job's storages -------------------------------------------------------------------------
+
+    def track(self, storage: Any, device: int) -> None:
+        """A storage that an op returned: counted once, freed when it dies."""
+        key = storage._cdata  # noqa: SLF001 - the StorageImpl's address: one per storage
+        if key in self._blocks:
+            self.resized(storage)
+            return
+        size = block_bytes(storage.nbytes())
+        with self._lock:
+            self._blocks[key] = _Block(device, size, self._frames())
+            self._grow(device, size, key)
+        weakref.finalize(storage, self._free, key)
+
+    def resized(self, storage: Any) -> None:
+        """A tracked storage whose size changed in place (``resize_``: FSDP frees and regrows its
+        parameters' storage this way)."""
+        block = self._blocks.get(storage._cdata)  # noqa: SLF001
+        if block is None:
+            return
+        size = block_bytes(storage.nbytes())
+        if size == block.size:
+            return
+        with self._lock:
+            key = storage._cdata  # noqa: SLF001
+            self._shrink(block.device, block.size, key, block.frames)
+            block.size, block.frames = size, self._frames()
+            self._grow(block.device, size, key)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                self._shrink(block.device, block.size, key, block.frames)
+
+    # -- the libraries' workspaces -----------------------------------------------------------------
+
+    def workspace(self, library: str, device: int) -> None:
+        """cuBLAS's (``"cublas"``) or cuBLASLt's (``"cublaslt"``) workspace for this thread, once."""
+        key = (threading.get_ident(), library, device)
+        if key in self._workspaces:
+            return
+        size = self.cublas_workspace if library == "cublas" else self.cublaslt_workspace
+        with self._lock:
+            self._next_addr += BLOCK
+            block = _Block(device, size, self._frames())
+            self._workspaces[key] = (self._next_addr, block)
+            if size:
+                self._scratch[self._next_addr] = block  # for the history's frames
+                self._grow(device, size, self._next_addr)  # held to the end, as the real pool holds it
+                self._scratch.pop(self._next_addr)
+
+    def transient(self, device: int, nbytes: int) -> None:
+        """Scratch a kernel allocates and frees inside one op (a copy of an operand): it counts
+        toward the peak at the op, on top of what is live."""
+        size = block_bytes(nbytes)
+        if not size:
+            return
+        with self._lock:
+            self._next_addr += BLOCK
+            key = self._next_addr
+            self._scratch[key] = _Block(device, size, self._frames())
+            self._grow(device, size, key)
+            self._shrink(device, size, key, self._scratch.pop(key).frames)
+
+    # -- the figures --------------------------------------------------------------------------------
+
+    def reset_peak(self, device: int) -> None:
+        self.peak[device] = self.current.get(device, 0)
+
+    def stats(self, device: int) -> dict[str, int]:
+        """The keys of ``torch.cuda.memory_stats`` a job or the plugin reads. There is no cache: what
+        is reserved is what is allocated."""
+        current, peak = self.current.get(device, 0), self.peak.get(device, 0)
+        return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
+                "active_bytes.all.current": current, "active_bytes.all.peak": peak,
+                "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak,
+                "requested_bytes.all.current": current, "requested_bytes.all.peak": peak,
+                "allocation.all.current": sum(1 for b in self._blocks.values() if b.device == device),
+                "allocation.all.allocated": self.allocations.get(device, 0),
+                "num_alloc_retries": 0, "num_ooms": 0}
+
+    # -- history ------------------------------------------------------------------------------------
+
+    def start_history(self) -> None:
+        if self.history is None:
+            self.history = []
+
+    def snapshot(self) -> dict[str, Any]:
+        """The live blocks and the events, as ``torch.cuda.memory._snapshot()`` shapes them."""
+        devices = sorted(set(self.current) | {0})
+        live = list(self._blocks.items()) + [(addr, b) for addr, b in self._workspaces.values() if b.size]
+        segments = [{"device": device, "blocks": [
+            {"state": "active_allocated", "address": key, "size": b.size, "requested_size": b.size,
+             "frames": b.frames or []} for key, b in live if b.device == device]}
+            for device in devices]
+        traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices) + 1)]
+        for event in self.history or ():
+            traces[event["device"]].append(event)
+        return {"segments": segments, "device_traces": traces}
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    def _grow(self, device: int, size: int, key: int) -> None:
+        current = self.current.get(device, 0) + size
+        self.current[device] = current
+        if current > self.peak.get(device, 0):
+            self.peak[device] = current
+        self.allocations[device] = self.allocations.get(device, 0) + 1
+        if self.history is not None and size:
+            block = self._blocks.get(key) or self._scratch.get(key)
+            self.history.append({"action": "alloc", "addr": key, "size": size, "device": device,
+                                 "frames": (block.frames if block is not None else None) or [],
+                                 "time_us": time.time() * 1e6})
+
+    def _shrink(self, device: int, size: int, key: int, frames: list[dict[str, Any]] | None) -> None:
+        self.current[device] = self.current.get(device, 0) - size
+        if self.history is not None and size:
+            self.history.append({"action": "free_requested", "addr": key, "size": size, "device": device,
+                                 "frames": frames or [], "time_us": time.time() * 1e6})
+
+    def _frames(self) -> list[dict[str, Any]] | None:
+        """The Python stack allocating now, innermost first (only while history is on)."""
+        if self.history is None:
+            return None
+        frames: list[dict[str, Any]] = []
+        frame: Any = sys._getframe(2)  # noqa: SLF001 - past track/resized
+        while frame is not None and len(frames) < HISTORY_DEPTH:
+            code = frame.f_code
+            frames.append({"filename": code.co_filename, "line": frame.f_lineno, "name": code.co_name})
+            frame = frame.f_back
+        return frames

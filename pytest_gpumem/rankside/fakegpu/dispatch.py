@@ -1,0 +1,297 @@
+"""A rank's CUDA tensors as fake tensors: what runs where, what is counted, what is mended.
+
+Every op that makes or touches a CUDA tensor runs under torch's ``FakeTensorMode``: shapes, dtypes
+and strides are computed (the meta kernels), no data exists. CPU tensors stay real, so data
+loading, CPU-side bookkeeping and ``.item()`` on them work as they do in the job. Each CUDA
+storage an op returns is counted as the caching allocator counts it (``accounting``).
+
+Mended, each where the fake figure differs from the real GPU's:
+
+- attention (``scaled_dot_product_attention``) picks the kernel the GPU model would (flash,
+  memory-efficient, math), not the CPU build's math path, which holds a full seq x seq matrix;
+- DTensor's sharding propagation runs its ops on global-shape fake tensors in the same fake mode:
+  not the job's memory, not counted;
+- DDP's construction reads parameter values (its shape check across ranks) and its reducer
+  rebuilds buckets from them: skipped, as the real ranks would agree;
+- matrix products take cuBLAS's and cuBLASLt's workspaces once per thread, and an operand cuBLAS
+  cannot read in place (an expanded gradient) is copied for the product's duration;
+- an op the fake mode runs as a decomposition (the first time: later calls hit its cache) is one
+  kernel on the GPU: only the outermost op's outputs are counted.
+
+What a fake tensor cannot answer (an op whose output size depends on values: ``.item()``,
+``nonzero``, a boolean mask) stops the rank with the op's name and what to do (``FakeGpuError``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from types import ModuleType
+from typing import Any
+
+from ..imports import after_import
+from .accounting import FakeAllocator
+from .models import GpuModel
+
+
+class FakeGpuError(RuntimeError):
+    """What a fake GPU cannot compute; the message names the op and what to do instead."""
+
+
+GEMM = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation", "matmul", "dot")
+LT = ("addmm", "_addmm_activation")  # with a 1-D bias: cuBLASLt's epilogue
+SDPA_MATH, SDPA_FLASH, SDPA_EFFICIENT = 0, 1, 2
+
+
+class _Paused(threading.local):
+    depth = 0
+
+
+paused = _Paused()  # >0: ops run fake but nothing is counted (DTensor's sharding propagation)
+inner = _Paused()  # >0: inside the fake mode's own dispatch (its decompositions run ops of their own)
+
+
+def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any:
+    """Enter the fake GPU for the rest of this process; returns the routing mode (entered)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensor,
+        FakeTensorMode,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    aten = torch.ops.aten
+    gemm = {getattr(aten, name) for name in GEMM if hasattr(aten, name)}
+    lt = {getattr(aten, name) for name in LT if hasattr(aten, name)}
+    operands_last = {aten.addmm, aten.baddbmm, aten.addbmm, aten._addmm_activation}  # (bias, a, b)
+    resizes = {aten.resize_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset,
+               aten.set_.source_Tensor}
+
+    def cuda_index(tensor: Any) -> int | None:
+        device = getattr(tensor, "fake_device", None) or tensor.device
+        return (device.index or 0) if device.type == "cuda" else None
+
+    def count(value: Any) -> None:
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, FakeTensor):
+                index = cuda_index(leaf)
+                if index is not None:
+                    allocator.track(leaf.untyped_storage(), index)
+
+    class CountingFakeMode(FakeTensorMode):
+        """torch's fake mode, counting every CUDA storage its ops return."""
+
+        @property
+        def avoid_device_init(self) -> bool:  # torch.cuda.is_available() says True here: no device, still
+            return True
+
+        def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            inner.depth += 1
+            try:
+                out = super().dispatch(func, types, args, kwargs)
+            except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+                raise FakeGpuError(_data_dependent(func, exc)) from None
+            finally:
+                inner.depth -= 1
+            if paused.depth or inner.depth:  # an op inside another (a decomposition): one kernel on the GPU
+                return out
+            count(out)
+            if func in resizes and args:
+                count(args[0])
+            packet = func.overloadpacket
+            if packet in gemm:
+                index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
+                if index is not None:
+                    for operand in args[-2:] if packet in operands_last else args[:2]:
+                        if isinstance(operand, FakeTensor) and _cublas_copies(operand):
+                            allocator.transient(index, operand.numel() * operand.element_size())
+                    allocator.workspace("cublas", index)
+                    if packet in lt and len(args) > 0 and getattr(args[0], "dim", lambda: 0)() == 1:
+                        allocator.workspace("cublaslt", index)
+            return out
+
+    fake = CountingFakeMode(allow_non_fake_inputs=True)
+    cuda_type = "cuda"
+
+    def wants_fake(args: Any, kwargs: Any) -> bool:
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, FakeTensor):
+                return True
+            if isinstance(leaf, torch.device) and leaf.type == cuda_type:
+                return True
+        return False
+
+    class FakeGpuMode(TorchDispatchMode):
+        """Sends every op that makes or touches a CUDA tensor to the fake mode; CPU ops run real."""
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if wants_fake(args, kwargs):
+                with fake:
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    _storage_resize(torch, allocator)
+    _attention(torch, model, FakeTensor)
+    after_import("torch.distributed.tensor._sharding_prop", _pause_sharding_propagation)
+    after_import("torch.nn.parallel.distributed", _mend_ddp)
+    after_import("torch.utils._foreach_utils", lambda m: _foreach_for_fakes(m, FakeTensor))
+    mode = FakeGpuMode()
+    mode.__enter__()
+    return mode
+
+
+def _cublas_copies(matrix: Any) -> bool:
+    """Whether CUDA's GEMM copies this operand before calling cuBLAS (``prepare_matrix_for_cublas``
+    in ATen's Blas.cpp): one that is neither dense nor a strided view cuBLAS takes (an expanded
+    gradient, stride 0) is cloned contiguous for the product's duration, a scratch the meta kernel
+    never allocates."""
+    if matrix.dim() not in (2, 3) or _dense(tuple(matrix.shape), tuple(matrix.stride())):
+        return False
+    sizes, strides = matrix.shape[-2:], matrix.stride()[-2:]
+    if strides[0] == 1 and strides[1] >= max(1, sizes[0]):
+        return False
+    if strides[1] == 1 and strides[0] >= max(1, sizes[1]):
+        return False
+    return True
+
+
+def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Non-overlapping and dense: the strides are a contiguous layout's, in some order of the dims."""
+    expected = 1
+    for size, stride in sorted((p for p in zip(sizes, strides) if p[0] != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _storage_resize(torch: ModuleType, allocator: FakeAllocator) -> None:
+    """``UntypedStorage.resize_`` is no op the modes see (FSDP frees parameters with it): counted here."""
+    resize = torch.UntypedStorage.resize_
+
+    @functools.wraps(resize)
+    def resize_(self: Any, size: int) -> Any:
+        out = resize(self, size)
+        if not paused.depth:
+            allocator.resized(self)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+
+def _pause_sharding_propagation(module: ModuleType) -> None:
+    propagator = module.ShardingPropagator
+    original = propagator._propagate_tensor_meta_non_cached  # noqa: SLF001
+
+    @functools.wraps(original)
+    def uncounted(*args: Any, **kwargs: Any) -> Any:
+        paused.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            paused.depth -= 1
+
+    propagator._propagate_tensor_meta_non_cached = uncounted  # noqa: SLF001
+
+
+class _QuietLogger:
+    """DDP's logger, minus its per-step runtime figures: they read the reducer's CUDA timer, which
+    the CPU build has none of (an internal assert)."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+def _mend_ddp(module: ModuleType) -> None:
+    """DDP on a fake GPU: its check that reads parameter values across ranks is skipped (the ranks
+    of a simulated world agree), and its logger takes no CUDA timings."""
+    setattr(module, "_verify_param_shape_across_processes", lambda *args, **kwargs: None)
+    ddp = module.DistributedDataParallel
+    init = ddp.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "logger", None) is not None and not isinstance(self.logger, _QuietLogger):
+            self.logger = _QuietLogger(self.logger)
+
+    ddp.__init__ = __init__
+
+
+def _foreach_for_fakes(module: ModuleType, fake_type: type) -> None:
+    """The optimizers' foreach path is taken for tensors of the listed types only; a fake
+    parameter's type is FakeTensor, and without it Adam would run per tensor (another peak)."""
+    supported = getattr(module, "_foreach_supported_types", None)
+    if isinstance(supported, list) and fake_type not in supported:
+        supported.append(fake_type)
+
+
+def _sdp_choice(torch: ModuleType, model: GpuModel, query: Any, key: Any, value: Any, attn_mask: Any,
+                enable_gqa: bool) -> int:
+    """The attention kernel torch's CUDA build picks on the model (``sdp_utils.cpp``, in its order:
+    flash, then memory-efficient, then math), as far as shapes, dtypes and the switches decide it."""
+    backends = torch.backends.cuda
+    head = query.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    same = key.shape[-1] == head and value.shape[-1] == head and key.shape[-3] == query.shape[-3]
+    if query.dim() != 4 or query.is_nested or (enable_gqa and not same):
+        return SDPA_MATH
+    if (backends.flash_sdp_enabled() and half and attn_mask is None and model.major >= 8 and same
+            and head <= 256 and head % 8 == 0):
+        return SDPA_FLASH
+    if backends.mem_efficient_sdp_enabled() and same and head % (8 if half else 4) == 0 and model.major >= 5:
+        return SDPA_EFFICIENT
+    return SDPA_MATH
+
+
+def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
+    """``scaled_dot_product_attention`` picks its kernel in C++ for the device, and the CPU build
+    has no CUDA choice: it would take the math path, which holds the seq x seq weights. On fake CUDA
+    tensors the kernel the model would run is called instead (its meta kernel gives its outputs)."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                                     dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                                     enable_gqa: bool = False) -> Any:
+        if not (isinstance(query, fake_type) and query.device.type == "cuda"):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        choice = _sdp_choice(torch, model, query, key, value, attn_mask, enable_gqa)
+        if choice == SDPA_FLASH:
+            return aten._scaled_dot_product_flash_attention(  # noqa: SLF001
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if choice == SDPA_EFFICIENT:
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    bias.logical_not(), float("-inf"))
+            if bias is not None:
+                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return aten._scaled_dot_product_efficient_attention(  # noqa: SLF001
+                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def _data_dependent(func: Any, exc: Exception) -> str:
+    name = str(func).replace("aten.", "aten::", 1)
+    what = ("reads a value of a CUDA tensor (.item(), a Python bool or int of it)"
+            if "_local_scalar_dense" in name else "has an output whose size depends on the values of a CUDA tensor")
+    return (f"a fake GPU cannot run {name}: it {what}, and a fake tensor has no values. Keep that value on "
+            "the CPU (compute it from CPU tensors), declare a fixed size, or run this test on a real GPU "
+            "(fake_gpu='off')")

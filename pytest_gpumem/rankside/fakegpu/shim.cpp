@@ -1,0 +1,26 @@
+// pytest-gpumem's fake GPU: a CUDA device guard and CUDA hooks for torch's CPU build.
+//
+// Loaded (RTLD_GLOBAL) before torch is imported: torch caches its CUDA hooks at the first call, and
+// without a CUDA device guard every copy into a fake CUDA tensor fails ("PyTorch is not linked with
+// support for cuda devices"), as does backward ("Cannot access accelerator device when none is
+// available"). c10's own FakeGuardImpl is the guard; the hooks say CUDA is built and available, with
+// no primary context, so nothing tries to start a real one.
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+namespace at {
+struct GpumemFakeCUDAHooks final : CUDAHooksInterface {
+  explicit GpumemFakeCUDAHooks(CUDAHooksArgs /*unused*/) {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasCUDA() const override { return true; }
+  bool hasPrimaryContext(DeviceIndex /*device_index*/) const override { return false; }
+  void init() const override {}
+  DeviceIndex deviceCount() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  int getNumGPUs() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+};
+C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, GpumemFakeCUDAHooks)
+}  // namespace at
+
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);

@@ -1,0 +1,118 @@
+"""The fake GPU's CUDA shim (``shim.cpp``): built once per torch install with the C++ compiler,
+cached, and loaded before torch is imported.
+
+torch's CPU build has no CUDA device guard and caches its CUDA hooks at their first use, so the
+shim must be in the process before ``import torch``. It links against the torch it is built for,
+found without importing it; the cache key is the source, torch's version and its install path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.machinery
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("shim.cpp")
+BUILD_TIMEOUT_S = 300.0
+
+
+class ShimError(RuntimeError):
+    """The shim cannot be built or loaded; the message says what to install or set."""
+
+
+def torch_dir() -> Path:
+    """torch's package folder, without importing it (and past the import watchers of
+    ``rankside.imports``, which a find_spec through ``sys.meta_path`` would set off)."""
+    spec = importlib.machinery.PathFinder.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise ShimError("the fake GPU runs torch jobs, but torch is not installed in this rank's Python "
+                        "(pip install torch: the CPU build is enough)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def torch_build(folder: Path) -> tuple[str, str | None]:
+    """(torch's version, the CUDA version it was built for or None), read from ``torch/version.py``."""
+    text = (folder / "version.py").read_text()
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    cuda = re.search(r"^cuda\s*(?::\s*[^=]+)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return (version.group(1) if version else "unknown"), (cuda.group(1) if cuda else None)
+
+
+def needed(folder: Path) -> bool:
+    """Only torch's CPU build needs the shim: a CUDA build has its own guard and hooks."""
+    return torch_build(folder)[1] is None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("GPUMEM_FAKE_GPU_CACHE") or Path(base) / "pytest-gpumem" / "fake-gpu")
+
+
+def _abi_flag(folder: Path) -> list[str]:
+    """torch's ``_GLIBCXX_USE_CXX11_ABI``, from its CMake config (the compiler's default otherwise)."""
+    for config in folder.glob("share/cmake/Torch/TorchConfig.cmake"):
+        found = re.search(r"-D_GLIBCXX_USE_CXX11_ABI=([01])", config.read_text())
+        if found:
+            return [f"-D_GLIBCXX_USE_CXX11_ABI={found.group(1)}"]
+    return []
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise ShimError("the fake GPU builds a small C++ library against torch once (cached), and no C++ "
+                    "compiler was found: install one (apt-get install g++) or set CXX")
+
+
+def build(folder: Path | None = None) -> Path:
+    """The shim for this torch, built now if the cache lacks it (under a lock: ranks start together)."""
+    from filelock import FileLock
+
+    folder = folder or torch_dir()
+    version, _ = torch_build(folder)
+    key = hashlib.sha256(SOURCE.read_bytes() + f"\0{version}\0{folder.resolve()}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"fakecuda-{version.replace('+', '_')}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.exists():
+            return target
+        cxx = compiler()
+        lib = folder / "lib"
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            command = [cxx, "-O1", "-shared", "-fPIC", "-std=c++17", "-w", *_abi_flag(folder),
+                       f"-I{folder / 'include'}", str(SOURCE), "-o", str(out),
+                       f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired as exc:
+                raise ShimError(f"building the fake GPU's CUDA shim took over {BUILD_TIMEOUT_S:.0f} s") from exc
+            if done.returncode != 0:
+                tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+                raise ShimError(f"building the fake GPU's CUDA shim against torch {version} failed "
+                                f"({' '.join(command[:2])} ...):\n{tail}")
+            os.replace(out, target)  # atomic: a rank never loads half a library
+    return target
+
+
+def load(folder: Path | None = None) -> Path | None:
+    """Build if need be and load the shim into this process (before torch); None where not needed."""
+    folder = folder or torch_dir()
+    if not needed(folder):
+        return None
+    path = build(folder)
+    try:
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise ShimError(f"the fake GPU's CUDA shim {path.name} did not load ({exc}): delete {path.parent} "
+                        "to build it again") from exc
+    return path
