@@ -135,6 +135,8 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
         ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
         run = runner.simulate(test_id, spec, n, ranks, chosen.gpus, fake=chosen.fake)
         test.runs.append(run)
+        if not test.provenance and run.provenance:  # nothing launched for real (a fake GPU): its ranks say
+            test.provenance = dict(run.provenance)
         if run.problems or run.all_skipped is not None:
             test.skip_reason = run.all_skipped
             return test

@@ -18,10 +18,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 BLOCK = 512  # kMinBlockSize: every allocation is a multiple of it
 HISTORY_DEPTH = 64
+HERE = str(Path(__file__).resolve().parent)
+# The fake mode's own frames between the job and an allocation: not in a real GPU's history either.
+MACHINERY = ("/torch/_subclasses/", "/torch/_ops.py", "/torch/utils/_stats.py", "/torch/_compile.py",
+             "/torch/_dynamo/eval_frame.py", "/torch/utils/_python_dispatch.py")
 
 
 def block_bytes(nbytes: int) -> int:
@@ -183,6 +188,8 @@ class FakeAllocator:
         frame: Any = sys._getframe(2)  # noqa: SLF001 - past track/resized
         while frame is not None and len(frames) < HISTORY_DEPTH:
             code = frame.f_code
-            frames.append({"filename": code.co_filename, "line": frame.f_lineno, "name": code.co_name})
+            name = code.co_filename
+            if not name.startswith(HERE) and not any(part in name for part in MACHINERY):
+                frames.append({"filename": name, "line": frame.f_lineno, "name": code.co_name})
             frame = frame.f_back
         return frames

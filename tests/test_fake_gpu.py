@@ -1,0 +1,161 @@
+"""The GPU tier's jobs gated as on the H200, on a machine without a GPU (issue 34).
+
+On a machine without a GPU every ``device="gpu"`` size runs on a fake GPU (``rankside.fakegpu``):
+the jobs of tests/jobs.py ``GPU_TIER`` as written for CUDA (``set_device``, NCCL, ``.cuda()``), rank
+0 of each world alone, every CUDA tensor a fake one. The healthy jobs pass; each regression fails
+at the sizes it fails at on the H200 and names the same first line; the figures are within 1% of
+the H200's (benchmarks/results/fake_gpu_real.json, ``benchmarks/fake_gpu_figures.py --real``).
+
+On a machine with NVIDIA GPUs the same tests run real (sizes above the GPUs present as a simulated
+world): that run, on the lent H200, is benchmarks/results/fake_gpu_tier_on_h200.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import GPU_TIER
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # no CUDA initialised in this pytest
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = json.loads((ROOT / "benchmarks" / "results" / "fake_gpu_real.json").read_text())
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ON_FAKE = GPUS == 0
+GOAL = 0.01  # the fake figure within 1% of the H200's at every size
+
+TESTS = '''
+import os
+
+import pytest
+from gpu_tier import JOBS
+
+SHARDING = os.environ.get("SHARDING", "FULL_SHARD")
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", config={"sharding": SHARDING})
+def test_fsdp1():
+    JOBS["fsdp1"]()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", config={"sharding": SHARDING})
+def test_fsdp2():
+    JOBS["fsdp2"]()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05, allow_mib=900)
+def test_ddp():
+    JOBS["ddp"]()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05, allow_mib=900)
+def test_ddp_gather():
+    JOBS["ddp_gather"]()
+'''
+
+
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, label: str, *args: str,
+         **env: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+    for key in ("SHARDING", "EXTRA_MIB", "CI"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    report = pytester.path / f"{label}.json"
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}",
+                                           *args, timeout=900)
+    records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+    for name, rec in records.items():
+        for size in rec["sizes"]:
+            print(f"{label}: {name} nproc={size['nproc']} [{size['fake_gpu'] or 'real'}] allocated "
+                  f"{size['allocated_mib']:.2f} MiB, launch {size['duration_s']:.1f} s -> {rec['status']}")
+    return result, records
+
+
+def _project(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(gpu_tier=GPU_TIER, test_tier=TESTS)
+
+
+def _size(record: dict[str, Any], nproc: int) -> dict[str, Any]:
+    return next(s for s in record["sizes"] if s["nproc"] == nproc)
+
+
+def _failed_sizes(record: dict[str, Any]) -> list[int]:
+    return [s["nproc"] for s in record["sizes"] if any(not c["ok"] for c in s["checks"])]
+
+
+def _near_the_h200(record: dict[str, Any], job: str, variant: str = "healthy") -> None:
+    for size in record["sizes"]:
+        real = H200[f"{job}|{variant}|{size['nproc']}"]["allocated_mib"]
+        assert abs(size["allocated_mib"] - real) <= GOAL * real, (job, variant, size["nproc"], size["allocated_mib"], real)
+        assert size["fake_gpu"] == ("NVIDIA H200" if ON_FAKE else "")
+
+
+def _tier_line(pytester: pytest.Pytester, text: str) -> int:
+    """The line of the project's gpu_tier.py that holds ``text``."""
+    lines = (pytester.path / "gpu_tier.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def test_fsdp1_passes_healthy_fails_no_shard_at_2_and_8_naming_the_config_and_a_1_percent_tensor_naming_its_line(
+        pytester, monkeypatch, launch_tag):
+    _project(pytester)
+    first, records = _run(pytester, monkeypatch, "refresh", "--gpumem-refresh", "-k", "fsdp1")
+    first.assert_outcomes(passed=1)
+    _near_the_h200(records["test_fsdp1"], "fsdp1")
+    stored = json.loads((pytester.path / "baselines" / "test_tier.py.json").read_text())["tests"]["test_fsdp1"]
+    assert list(stored) == ["gpu:NVIDIA H200 (fake)" if ON_FAKE else "gpu:NVIDIA H200"] or not ON_FAKE
+
+    switched, records = _run(pytester, monkeypatch, "no-shard", "-k", "fsdp1", SHARDING="NO_SHARD")
+    switched.assert_outcomes(failed=1)
+    assert _failed_sizes(records["test_fsdp1"]) == [2, 8]  # one rank holds everything either way
+    lines = switched.stdout.lines
+    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
+    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+
+    one_percent = round(H200["fsdp1|healthy|1"]["allocated_mib"] / 100, 1)
+    grown, records = _run(pytester, monkeypatch, "+1%", "-k", "fsdp1", EXTRA_MIB=str(one_percent))
+    grown.assert_outcomes(failed=1)
+    assert _failed_sizes(records["test_fsdp1"]) == [1, 2, 8]
+    first_site = records["test_fsdp1"]["grown_sites"][0]
+    assert first_site["site"].startswith(f"gpu_tier.py:{_tier_line(pytester, 'dtype=torch.uint8')} _extra"), first_site
+    assert abs(first_site["new_mib"] - first_site["old_mib"] - one_percent) <= 1.0
+
+
+def test_fsdp2_passes_healthy_and_fails_reshard_after_forward_false_naming_the_config(
+        pytester, monkeypatch, launch_tag):
+    _project(pytester)
+    first, records = _run(pytester, monkeypatch, "refresh", "--gpumem-refresh", "-k", "fsdp2")
+    first.assert_outcomes(passed=1)
+    _near_the_h200(records["test_fsdp2"], "fsdp2")
+    switched, records = _run(pytester, monkeypatch, "unsharded", "-k", "fsdp2", SHARDING="NO_SHARD")
+    switched.assert_outcomes(failed=1)
+    assert _failed_sizes(records["test_fsdp2"]) == [1, 2, 8]  # +12%, +16%, +22% of the healthy figure
+    _near_the_h200(records["test_fsdp2"], "fsdp2", "reshard_after_forward=False")
+    lines = switched.stdout.lines
+    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
+    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+
+
+def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gather(pytester, monkeypatch, launch_tag):
+    _project(pytester)
+    result, records = _run(pytester, monkeypatch, "ddp", "--gpumem-refresh", "-k", "ddp")
+    result.assert_outcomes(passed=1, failed=1)
+    _near_the_h200(records["test_ddp"], "ddp")
+    _near_the_h200(records["test_ddp_gather"], "ddp_gather")
+    twin = records["test_ddp_gather"]
+    assert _failed_sizes(twin) == [2, 8]
+    for n in (2, 8):
+        failing = [c for c in _size(twin, n)["checks"] if not c["ok"]]
+        assert failing[0]["kind"] == "max_ratio" and failing[0]["figure"] == "allocated", failing
+    first_site = twin["grown_sites"][0]["site"]
+    gather = {_tier_line(pytester, text) for text in
+              ("parts = [torch.empty_like(x)", "dist.all_gather(parts, x)", "x = torch.cat(parts)")}
+    assert first_site.startswith("gpu_tier.py:") and int(first_site.split(":")[1].split()[0]) in gather, first_site
+    if ON_FAKE:
+        result.stdout.fnmatch_lines(["*rank 0 at nproc=2 (gpu, allocated, fake GPU): peak * MiB > 1.05 x *"])

@@ -1,0 +1,197 @@
+"""The fake GPU's plain parts, on real torch CPU objects: the allocator's accounting, the GPU models
+and their calibration file, the rules that say where a CUDA kernel allocates what a meta kernel
+does not, and the shim's build inputs. Whole fake-GPU launches are tests/test_fake_gpu.py."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.rankside.fakegpu import models, shim
+from pytest_gpumem.rankside.fakegpu.accounting import BLOCK, FakeAllocator, block_bytes
+from pytest_gpumem.sampling.torch_history import replay
+
+torch = pytest.importorskip("torch")
+MiB = 2**20
+
+
+def test_blocks_are_rounded_up_to_512_bytes_and_nothing_is_allocated_for_0():
+    assert [block_bytes(n) for n in (0, 1, 511, 512, 513, 4 * MiB)] == [0, BLOCK, BLOCK, BLOCK, 2 * BLOCK, 4 * MiB]
+
+
+def _allocator() -> FakeAllocator:
+    return FakeAllocator(cublas_workspace=32 * MiB, cublaslt_workspace=MiB)
+
+
+def test_a_storage_is_counted_once_whatever_its_views_and_freed_with_its_last_view():
+    alloc = _allocator()
+    base = torch.empty(1000)  # 4000 bytes -> 4096
+    view = base[10:20]
+    for tensor in (base, view, base[:5]):
+        alloc.track(tensor.untyped_storage(), 0)
+    del tensor
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 4096
+    del base
+    gc.collect()
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 4096  # the view keeps the block
+    del view
+    gc.collect()
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 0
+    assert alloc.stats(0)["allocated_bytes.all.peak"] == 4096
+
+
+def test_a_storage_resized_in_place_moves_the_figure_as_fsdp_frees_and_regrows_parameters():
+    alloc = _allocator()
+    tensor = torch.empty(MiB // 4)
+    storage = tensor.untyped_storage()
+    alloc.track(storage, 0)
+    storage.resize_(0)
+    alloc.resized(storage)
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 0
+    storage.resize_(2 * MiB)
+    alloc.resized(storage)
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 2 * MiB
+    assert alloc.stats(0)["allocated_bytes.all.peak"] == 2 * MiB
+
+
+def test_scratch_inside_an_op_counts_at_the_peak_and_is_gone_after_it():
+    alloc = _allocator()
+    kept = torch.empty(MiB // 4)
+    alloc.track(kept.untyped_storage(), 0)
+    alloc.transient(0, 3 * MiB)
+    assert alloc.stats(0)["allocated_bytes.all.current"] == MiB
+    assert alloc.stats(0)["allocated_bytes.all.peak"] == 4 * MiB
+
+
+def test_each_thread_takes_the_cublas_workspace_once_and_cublaslt_its_own():
+    alloc = _allocator()
+    for _ in range(3):
+        alloc.workspace("cublas", 0)
+    alloc.workspace("cublaslt", 0)
+    other = threading.Thread(target=lambda: [alloc.workspace("cublas", 0) for _ in range(2)])
+    other.start()
+    other.join()
+    alloc.workspace("cublas", 1)  # another device, another handle
+    assert alloc.stats(0)["allocated_bytes.all.current"] == (32 + 1 + 32) * MiB
+    assert alloc.stats(1)["allocated_bytes.all.current"] == 32 * MiB
+
+
+def test_a_peak_reset_starts_from_what_is_live():
+    alloc = _allocator()
+    first = torch.empty(MiB)
+    alloc.track(first.untyped_storage(), 0)
+    del first
+    gc.collect()
+    alloc.reset_peak(0)
+    assert alloc.stats(0)["allocated_bytes.all.peak"] == 0
+
+
+def test_the_history_replays_to_the_allocator_peak_with_the_allocating_lines():
+    """The plugin's own reader of torch's history (sampling.torch_history) takes the fake's unchanged."""
+    alloc = _allocator()
+    alloc.start_history()
+    kept = torch.empty(MiB // 4)
+    alloc.track(kept.untyped_storage(), 0)
+    alloc.workspace("cublas", 0)
+    spike = torch.empty(2 * MiB // 4)
+    alloc.track(spike.untyped_storage(), 0)
+    del spike
+    gc.collect()
+    found = replay(alloc.snapshot(), 0)
+    assert found.peak_bytes == alloc.stats(0)["allocated_bytes.all.peak"] == (1 + 32 + 2) * MiB
+    lines = {frame[2] for frames, size in found.blocks for frame in frames[:1] if size == 2 * MiB}
+    assert lines, found.blocks  # the spike's block carries the Python stack that made it
+
+
+# ------------------------------------------------------------------------------------ GPU models
+
+
+def test_the_built_in_h200_is_what_gpumem_calibrate_measured_on_the_lent_h200():
+    h200 = models.model("NVIDIA H200")
+    assert (h200.major, h200.minor, h200.multi_processor_count) == (9, 0, 132)
+    assert (h200.cublas_workspace, h200.cublaslt_workspace) == (32 * MiB, MiB)
+    assert h200.properties()["total_memory"] == h200.total_memory
+
+
+def test_an_unknown_model_names_the_known_ones_and_the_command_that_adds_one(tmp_path: Path):
+    with pytest.raises(models.CalibrationError) as raised:
+        models.model("NVIDIA B300", tmp_path / models.CALIBRATION_FILE)
+    text = str(raised.value)
+    assert "'NVIDIA B300'" in text and "'NVIDIA H200'" in text and "gpumem calibrate" in text
+
+
+def test_a_calibrated_model_is_written_beside_the_others_and_wins_over_the_built_in(tmp_path: Path):
+    path = tmp_path / models.CALIBRATION_FILE
+    h100 = models.GpuModel("NVIDIA H100 80GB HBM3", 9, 0, 85_000_000_000, 132, 32 * MiB, MiB,
+                           measured_with={"torch": "2.11.0+cu130"})
+    own_h200 = models.GpuModel("NVIDIA H200", 9, 0, 150_000_000_000, 132, 16 * MiB, 0)
+    models.write_calibration(path, h100)
+    models.write_calibration(path, own_h200)
+    assert sorted(json.loads(path.read_text())["models"]) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    found = models.model("NVIDIA H200", path)
+    assert (found.cublas_workspace, found.source) == (16 * MiB, models.CALIBRATION_FILE)
+    assert models.model("NVIDIA H100 80GB HBM3", path).measured_with == {"torch": "2.11.0+cu130"}
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("{", "not a readable JSON calibration file"),
+    ('{"schema": 9, "models": {}}', '"schema": 1'),
+    ('{"schema": 1, "models": {"X": {"major": "9"}}}', "models['X'].major = '9': expected an integer >= 0"),
+    ('{"schema": 1, "models": {"X": {"major": 9, "minor": 0, "total_memory": 1, "multi_processor_count": 1, '
+     '"cublas_workspace": -1}}}', "models['X'].cublas_workspace = -1"),
+])
+def test_a_broken_calibration_file_names_itself_and_the_field(tmp_path: Path, text: str, says: str):
+    path = tmp_path / models.CALIBRATION_FILE
+    path.write_text(text)
+    with pytest.raises(models.CalibrationError) as raised:
+        models.model("NVIDIA H200", path)
+    assert str(path) in str(raised.value) and says in str(raised.value)
+
+
+# ------------------------------------------------------------------------------------ CUDA's own allocations
+
+
+def test_cublas_copies_an_operand_it_cannot_read_in_place():
+    from pytest_gpumem.rankside.fakegpu.dispatch import _cublas_copies
+
+    matrix = torch.empty(64, 32)
+    assert not _cublas_copies(matrix)
+    assert not _cublas_copies(matrix.t())  # a transpose is read as is
+    assert not _cublas_copies(matrix[:, :16])  # a strided view with a leading stride
+    assert _cublas_copies(torch.ones(()).expand(64, 32))  # an expanded gradient (the sum's): cloned
+    assert _cublas_copies(matrix[::2, ::2])
+
+
+@pytest.mark.parametrize(("dtype", "mask", "head", "choice"), [
+    (torch.bfloat16, False, 128, 1),  # flash
+    (torch.float16, True, 128, 2),  # a mask: memory-efficient
+    (torch.float32, False, 128, 2),  # fp32: memory-efficient
+    (torch.float32, False, 130, 0),  # a head size neither takes: math
+])
+def test_attention_takes_the_kernel_the_cuda_build_would(dtype, mask, head, choice):
+    from pytest_gpumem.rankside.fakegpu.dispatch import _sdp_choice
+
+    q = torch.empty(2, 4, 16, head, dtype=dtype)
+    attn_mask = torch.zeros(16, 16, dtype=dtype) if mask else None
+    assert _sdp_choice(torch, models.model("NVIDIA H200"), q, q, q, attn_mask, False) == choice
+
+
+# ------------------------------------------------------------------------------------ the shim
+
+
+def test_the_shim_is_built_only_for_torch_cpu_builds(tmp_path: Path):
+    (tmp_path / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    assert shim.torch_build(tmp_path) == ("2.13.0+cpu", None) and shim.needed(tmp_path)
+    (tmp_path / "version.py").write_text("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n")
+    assert shim.torch_build(tmp_path) == ("2.11.0+cu130", "13.0") and not shim.needed(tmp_path)
+
+
+def test_without_a_compiler_the_shim_says_what_to_install(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(shim.ShimError, match=r"no C\+\+ compiler was found: install one \(apt-get install g\+\+\)"):
+        shim.compiler()
