@@ -114,7 +114,8 @@ demo-oneflow: $(OF)/.ready
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_oneflow_eager_dp.py examples/test_oneflow_graph_dp.py
 
 demo-torch: $(TO)/.ready
-	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_torch_ddp.py examples/test_script_mode.py
+	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) --gpumem -rxX examples/test_torch_ddp.py examples/test_script_mode.py \
+		examples/test_torch_cuda_fake.py
 
 # CPU benchmarks, side by side with the raw tools: prints a table, writes benchmarks/results/cpu_bench.txt.
 # (The GPU half runs on a GPU machine: benchmarks/gpu_evidence.py, results in docs/gpu.md.)

@@ -6,8 +6,8 @@ the world alone, every CUDA tensor a fake one, its allocator figure (``max_memor
 counted as torch's caching allocator counts it on that model. Rank 0's figure, MiB:
 
     test                               nproc=1   nproc=2   nproc=8
-    test_fsdp2_cuda                     1040.3     800.2     620.1 (0.60x)
-    test_fsdp2_cuda_inflated            1104.3     992.2    1068.1 (0.97x)
+    test_fsdp2_cuda                     2115.1    1778.8    1526.4 (0.72x)
+    test_fsdp2_cuda_inflated            2131.1    3051.9   10594.9 (4.97x)
 
 The inflated twin all-gathers the batch onto every rank (8 x 16 MiB at nproc=8): marked
 ``xfail(strict=True)``, so the demo is green only because the plugin catches it. Baselines are filed

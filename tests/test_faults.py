@@ -719,7 +719,7 @@ def test_small():
     pass
 
 
-@pytest.mark.gpumem(nproc=1, device="gpu", timeout=60)
+@pytest.mark.gpumem(nproc=1, device="gpu", timeout=60, fake_gpu="off")
 def test_needs_a_gpu():
     pass
 ''')
