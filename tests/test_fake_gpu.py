@@ -92,7 +92,8 @@ def _failed_sizes(record: dict[str, Any]) -> list[int]:
 def _near_the_h200(record: dict[str, Any], job: str, variant: str = "healthy") -> None:
     for size in record["sizes"]:
         real = H200[f"{job}|{variant}|{size['nproc']}"]["allocated_mib"]
-        assert abs(size["allocated_mib"] - real) <= GOAL * real, (job, variant, size["nproc"], size["allocated_mib"], real)
+        found = size["allocated_mib"]
+        assert abs(found - real) <= GOAL * real, (job, variant, size["nproc"], found, real)
         assert size["fake_gpu"] == ("NVIDIA H200" if ON_FAKE else "")
 
 
