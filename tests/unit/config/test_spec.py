@@ -44,6 +44,8 @@ def test_ini_ratio_default_and_none_turns_it_off():
         ({"nproc": True}, "nproc=True"),
         ({"max_mib": "lots"}, "max_mib='lots' is not accepted: expected a number"),
         ({"simulate": True}, "simulate=True is not accepted: expected one of auto, on, off"),
+        ({"fake_gpu": "yes"}, "fake_gpu='yes' is not accepted: expected one of auto, on, off"),
+        ({"fake_gpu": "on", "device": "cpu"}, "fake_gpu='on' is not accepted with device='cpu'"),
         ({"max_mib": -1}, "expected a number > 0"),
         ({"max_ratio": -1.0}, "max_ratio=-1.0"),
         ({"max_ratio": 0}, "max_ratio=0"),
