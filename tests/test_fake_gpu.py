@@ -97,6 +97,13 @@ def _near_the_h200(record: dict[str, Any], job: str, variant: str = "healthy") -
         assert size["fake_gpu"] == ("NVIDIA H200" if ON_FAKE else "")
 
 
+def _first_change(result: pytest.RunResult) -> str:
+    """The line right after the failure text's "changed since the baseline" heading."""
+    lines = result.stdout.lines
+    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
+    return lines[heading + 1].strip()
+
+
 def _tier_line(pytester: pytest.Pytester, text: str) -> int:
     """The line of the project's gpu_tier.py that holds ``text``."""
     lines = (pytester.path / "gpu_tier.py").read_text().splitlines()
@@ -115,9 +122,7 @@ def test_fsdp1_passes_healthy_fails_no_shard_at_2_and_8_naming_the_config_and_a_
     switched, records = _run(pytester, monkeypatch, "no-shard", "-k", "fsdp1", SHARDING="NO_SHARD")
     switched.assert_outcomes(failed=1)
     assert _failed_sizes(records["test_fsdp1"]) == [2, 8]  # one rank holds everything either way
-    lines = switched.stdout.lines
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+    assert _first_change(switched) == "config.sharding: FULL_SHARD -> NO_SHARD"
 
     one_percent = round(H200["fsdp1|healthy|1"]["allocated_mib"] / 100, 1)
     grown, records = _run(pytester, monkeypatch, "+1%", "-k", "fsdp1", EXTRA_MIB=str(one_percent))
@@ -138,9 +143,7 @@ def test_fsdp2_passes_healthy_and_fails_reshard_after_forward_false_naming_the_c
     switched.assert_outcomes(failed=1)
     assert _failed_sizes(records["test_fsdp2"]) == [1, 2, 8]  # +12%, +16%, +22% of the healthy figure
     _near_the_h200(records["test_fsdp2"], "fsdp2", "reshard_after_forward=False")
-    lines = switched.stdout.lines
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+    assert _first_change(switched) == "config.sharding: FULL_SHARD -> NO_SHARD"
 
 
 def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gather(pytester, monkeypatch, launch_tag):

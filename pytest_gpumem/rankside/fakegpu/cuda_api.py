@@ -46,11 +46,11 @@ class FakeStream:
         return True
 
     def __enter__(self) -> "FakeStream":
-        _State.streams.append(self)
+        _state.streams.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _State.streams.pop()
+        _state.streams.pop()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and other.stream_id == self.stream_id
@@ -81,7 +81,13 @@ class FakeEvent:
 
 
 class _State(threading.local):
-    streams: list[FakeStream] = []
+    """The streams entered on this thread (``with stream:``), innermost last."""
+
+    def __init__(self) -> None:
+        self.streams: list[FakeStream] = []
+
+
+_state = _State()
 
 
 _current = {"device": 0}
@@ -123,8 +129,8 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Non
     properties = SimpleNamespace(**model.properties())
 
     def current_stream(device: Any = None) -> FakeStream:
-        if _State.streams:
-            return _State.streams[-1]
+        if _state.streams:
+            return _state.streams[-1]
         return default_stream(device)
 
     def default_stream(device: Any = None) -> FakeStream:
