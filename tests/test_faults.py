@@ -886,8 +886,10 @@ BAD_VALUES = {
     "fail_fast_grace": "-1",
     "simulate": "always",
     "unlaunched": "ignore",
+    "fake_gpu": "sometimes",
 }
-# Any text is a path; what goes wrong is writing there (baselines, lease folder, report: above).
+# Any text is a path (or, for fake_gpu_model, a name checked against the known models: test_fake_gpu);
+# what goes wrong with a path is writing there (baselines, lease folder, report: above).
 PATH_OPTIONS = {o.name for o in OPTIONS if o.parse is str}
 
 
