@@ -36,7 +36,7 @@ $(TO)/.ready: pyproject.toml
 	$(TO)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU build on the index; a bare `torch` would pull a multi-GB CUDA build.
 	$(TO)/bin/python -m pip install -q "torch==2.13.0"
-	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev]"
+	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev,frameworks]"
 	touch $@
 
 # The oldest versions pyproject.toml admits (tools/floor-requirements.txt), on the oldest Python.

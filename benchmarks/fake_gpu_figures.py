@@ -1,4 +1,5 @@
-"""The GPU tier's jobs (tests/jobs.py GPU_TIER): the allocator figure on a real GPU and on a fake one.
+"""The GPU tier's jobs and three foreign ones (tests/jobs.py GPU_TIER, FOREIGN): the allocator figure on a
+real GPU and on a fake one.
 
     python3 benchmarks/fake_gpu_figures.py --real --out real.json            # on a GPU machine
     .venv-torch/bin/python benchmarks/fake_gpu_figures.py --fake "NVIDIA H200" --real-json real.json
@@ -27,7 +28,10 @@ CASES = [  # (job, variant, env)
     ("fsdp1", "healthy", {}), ("fsdp1", "NO_SHARD", {"SHARDING": "NO_SHARD"}), ("fsdp1", "+1%", {"EXTRA_MIB": "78"}),
     ("fsdp2", "healthy", {}), ("fsdp2", "reshard_after_forward=False", {"SHARDING": "NO_SHARD"}),
     ("ddp", "healthy", {}), ("ddp", "+1%", {"EXTRA_MIB": "70"}), ("ddp_gather", "healthy", {}),
+    # tests/jobs.py FOREIGN: transformers' models trained with torch's wrappers (jobs not written for this)
+    ("gpt2_ddp", "healthy", {}), ("llama_fsdp2", "healthy", {}), ("bert_fsdp1", "healthy", {}),
 ]
+FOREIGN = {"gpt2_ddp", "llama_fsdp2", "bert_fsdp1"}
 
 
 def one(job: str, world: int, fake: str | None) -> None:
@@ -45,10 +49,11 @@ def one(job: str, world: int, fake: str | None) -> None:
 
         fakegpu.install(fake)
     sys.path.insert(0, str(ROOT / "tests"))
-    from jobs import GPU_TIER
+    import jobs
 
     namespace: dict = {}
-    exec(compile(GPU_TIER, "gpu_tier.py", "exec"), namespace)
+    source, name = (jobs.FOREIGN, "foreign.py") if job in FOREIGN else (jobs.GPU_TIER, "gpu_tier.py")
+    exec(compile(source, name, "exec"), namespace)
     if os.environ.get("FIGURES_TRACE"):
         _trace()
     import torch

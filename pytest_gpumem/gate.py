@@ -20,7 +20,7 @@ from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
 from .launching.runner import SizeRun, TestRun
 from .oneflow import boxing
 from .sampling.allocations import is_allocation_method
-from .sampling.identity import host_provenance
+from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from .sampling.sites import from_dicts
 
 
@@ -81,6 +81,7 @@ class Gate:
                 cause = "baseline-error"
             cause = cause or ("baseline-missing" if problems else None)
         if test.skip_reason is None and not problems:
+            notes.extend(self._fake_gpu_difference(test))
             refs = {n: BaselineRef(e.gated_mib, spec.tolerance, e.allocated_mib, spec.allocated_tolerance)
                     for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
@@ -165,6 +166,31 @@ class Gate:
                             f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
                             f"record it with {refresh}", problems, warnings)
         return stored, filed
+
+    def _fake_gpu_difference(self, test: TestRun) -> list[str]:
+        """On a real GPU, where the same test has a fake GPU's baseline of this model (the CPU gate's):
+        how far the fake figure was from this run's allocator figure, size by size."""
+        parts: list[str] = []
+        fake_platform = ""
+        for result in test.results:
+            if result.device != "gpu" or result.fake_gpu or result.predicted or not result.platform:
+                continue
+            fake_platform = result.platform.removesuffix(SIMULATED_KEY) + FAKE_KEY
+            try:
+                found = self.store.find(test.test_id, fake_platform, result.world_size)
+            except BaselineError:
+                return []  # the file's problem is reported where it is judged
+            _, real, _ = result.read(test.spec.rank, "allocated")
+            if found is None or found[0].allocated_mib is None or real is None:
+                continue
+            fake = found[0].allocated_mib
+            parts.append(f"nproc={result.world_size} {fake:.2f} vs {real:.2f} MiB "
+                         f"({fake - real:+.2f}, {100 * (fake - real) / real:+.2f}%)" if real else
+                         f"nproc={result.world_size} {fake:.2f} vs {real:.2f} MiB")
+        if not parts:
+            return []
+        return [f"fake GPU vs this GPU: the {fake_platform} baseline's allocator figure vs this run's, "
+                + "; ".join(parts)]
 
     def _unlaunched(self, test: TestRun, problems: list[str], warnings: list[str]) -> None:
         """Sizes neither launched, simulated nor predicted: shown always; where nothing above

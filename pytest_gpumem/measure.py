@@ -1,7 +1,8 @@
 """``gpumem measure``: an existing launch at several world sizes, and its per-rank scaling table.
 
     gpumem measure --nproc 1,2,4 [--launcher L] [--device D] [--timeout S] [--max-nproc N]
-                   [--report F.json] [--markdown F.md] -- train_net.py --config-file gpt2.py
+                   [--fake-gpu auto|on|off] [--fake-gpu-model M] [--report F.json] [--markdown F.md]
+                   -- train_net.py --config-file gpt2.py
 
 No pytest: a script-mode :class:`Spec` (``script=``/``module=``, ``args=``) goes through the same
 :class:`Runner` as a test, so the numbers, the timeout, the temporary folder and the killing of
@@ -79,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                    "$GPUMEM_TIMEOUT or 600)")
     p.add_argument("--max-nproc", type=_validated("max_nproc"), help="largest world size launched "
                    "(default: $GPUMEM_MAX_NPROC, else the GPUs present where the ranks use GPUs)")
+    p.add_argument("--fake-gpu", type=_validated("fake_gpu"), help="with --device gpu: auto (a fake GPU where "
+                   "this machine has none), on or off (default: $GPUMEM_FAKE_GPU or auto)")
+    p.add_argument("--fake-gpu-model", help="the GPU model a fake GPU emulates (default: $GPUMEM_FAKE_GPU_MODEL "
+                   "or NVIDIA H200)")
     p.add_argument("--no-predict", action="store_true", help="fail instead of predicting sizes above the cap")
     p.add_argument("--rank", type=_rank, default=0, help="the rank whose peak is the ratio's and the "
                    "prediction's subject: an int or all (default 0)")
@@ -121,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     given = {"launcher": args.launcher, "device": args.device, "timeout": args.timeout,
-             "max_nproc": args.max_nproc, "predict": "0" if args.no_predict else None}
+             "max_nproc": args.max_nproc, "predict": "0" if args.no_predict else None,
+             "fake_gpu": args.fake_gpu, "fake_gpu_model": args.fake_gpu_model}
     try:  # unset options come from GPUMEM_*, then the ini file pytest would use here, as the plugin's
         setup = inifile.find(cwd)
         settings = resolve(given, os.environ, {o.name: setup.values.get(o.ini) for o in OPTIONS},
@@ -135,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         name = str(exc).split("=", 1)[0]
         return _fail(f"argument --{name.replace('_', '-')}: {exc}" if name.isidentifier() else str(exc))
+    if spec.device == "gpu" and spec.fake_gpu != "off":  # a model nobody measured: say so before a launch
+        from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
+
+        try:
+            model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
+        except CalibrationError as exc:
+            return _fail(f"argument --fake-gpu-model: {exc}")
     for name in ("report", "markdown"):
         path = getattr(args, name)
         if path is not None and not _writable(path.parent):
@@ -163,12 +176,13 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .judging.verdict import judge
     from .launching import scaling
     from .launching.floor_cache import FloorCache
-    from .launching.gpus import GpuPlanner
+    from .launching.gpus import FakeGpus, GpuPlanner
     from .launching.leases import default_lease_dir
     from .launching.rank_setup import RankSetup
     from .launching.runner import Runner
     from .launching.startups import Startups
     from .presentation import outputs
+    from .rankside.fakegpu.models import CALIBRATION_FILE
     from .sampling.nvml import visible_gpus
 
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
@@ -181,6 +195,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         host_interval_s=interval, floor=settings.floor,
         floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
         startups=Startups(settings.host_startup, settings.startup_cache, Path.cwd()),
+        fake_gpus=FakeGpus(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE),
     )
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)

@@ -187,3 +187,114 @@ def ddp(gather=False):
 
 JOBS = {"fsdp1": fsdp1, "fsdp2": fsdp2, "ddp": ddp, "ddp_gather": lambda: ddp(gather=True)}
 '''
+
+# Jobs written by others, as their users run them (issue 34): Hugging Face transformers' models, built
+# from a config (no download), trained with torch's own wrappers the way their recipes do. Each
+# returns what EXTRA_MIB kept alive; they run on a real GPU and on a fake one unchanged.
+FOREIGN = '''
+import os
+
+import torch
+import torch.distributed as dist
+
+MiB = 2**20
+
+
+def _start():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+
+
+def _extra():
+    extra = float(os.environ.get("EXTRA_MIB", "0"))
+    return torch.empty(int(extra * MiB), dtype=torch.uint8, device="cuda") if extra else None
+
+
+def _steps(model, batch, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kept = _extra()
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return kept
+
+
+def gpt2_ddp():
+    """GPT-2 small (124M) with DDP, as the transformers language-modelling example trains it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _start()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+    ids = torch.randint(0, 50257, (4, 512), device="cuda")
+    kept = _steps(model, {"input_ids": ids, "labels": ids})
+    dist.destroy_process_group()
+    return kept
+
+
+def llama_fsdp2():
+    """A Llama decoder trained torchtitan's way: built on meta, each block and the root fully_shard-ed
+    with bf16 parameters and fp32 gradient reduction, then materialised on the GPU and initialised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _start()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+            elif hasattr(module, "weight") and module.weight is not None:
+                module.weight.fill_(1.0)
+        dim = config.hidden_size // config.num_attention_heads  # RoPE's frequencies, Llama's default base
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float32) / dim)
+        model.model.rotary_emb.inv_freq.copy_(inv_freq)
+        model.model.rotary_emb.original_inv_freq.copy_(inv_freq)
+    ids = torch.randint(0, config.vocab_size, (4, 1024), device="cuda")
+    kept = _steps(model, {"input_ids": ids, "labels": ids})
+    dist.destroy_process_group()
+    return kept
+
+
+def bert_fsdp1():
+    """BERT-large masked-LM with FSDP1, one unit per encoder layer, bf16 mixed precision and
+    activation checkpointing: the Accelerate/Trainer FSDP recipe's settings."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import BertConfig, BertForMaskedLM
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    _start()
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                       intermediate_size=4096))
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = FSDP(model, auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={BertLayer}),
+                 mixed_precision=bf16, device_id=torch.cuda.current_device())
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, BertLayer))
+    ids = torch.randint(0, 30522, (8, 512), device="cuda")
+    kept = _steps(model, {"input_ids": ids, "labels": ids})
+    dist.destroy_process_group()
+    return kept
+
+
+JOBS = {"gpt2_ddp": gpt2_ddp, "llama_fsdp2": llama_fsdp2, "bert_fsdp1": bert_fsdp1}
+'''

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import GPU_TIER
+from jobs import FOREIGN, GPU_TIER
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # no CUDA initialised in this pytest
 torch = pytest.importorskip("torch")
@@ -57,6 +57,27 @@ def test_ddp():
 @pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05, allow_mib=900)
 def test_ddp_gather():
     JOBS["ddp_gather"]()
+'''
+
+
+FOREIGN_TESTS = '''
+import pytest
+from foreign import JOBS
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu")
+def test_gpt2_ddp():
+    JOBS["gpt2_ddp"]()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu")
+def test_llama_fsdp2():
+    JOBS["llama_fsdp2"]()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu")
+def test_bert_fsdp1():
+    JOBS["bert_fsdp1"]()
 '''
 
 
@@ -163,3 +184,26 @@ def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gathe
     assert first_site.startswith("gpu_tier.py:") and int(first_site.split(":")[1].split()[0]) in gather, first_site
     if ON_FAKE:
         result.stdout.fnmatch_lines(["*rank 0 at nproc=2 (gpu, allocated, fake GPU): peak * MiB > 1.05 x *"])
+        result.stdout.fnmatch_lines(
+            ["*the peak column is the allocator's figure too (a fake GPU has no device figure)"])
+        assert "the peak column is what nvidia-smi shows" not in result.stdout.str()
+
+
+def test_jobs_written_by_others_run_unchanged_near_the_h200_and_a_1_percent_tensor_in_one_fails_naming_its_line(
+        pytester, monkeypatch, launch_tag):
+    """transformers' GPT-2 with DDP, a Llama sharded torchtitan's way (meta, FSDP2 per block, bf16
+    parameters), BERT-large with FSDP1, bf16 and activation checkpointing (tests/jobs.py FOREIGN)."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(foreign=FOREIGN, test_foreign=FOREIGN_TESTS)
+    first, records = _run(pytester, monkeypatch, "refresh", "--gpumem-refresh")
+    first.assert_outcomes(passed=3)
+    for job in ("gpt2_ddp", "llama_fsdp2", "bert_fsdp1"):
+        _near_the_h200(records[f"test_{job}"], job)
+
+    one_percent = round(H200["gpt2_ddp|healthy|1"]["allocated_mib"] / 100, 1)
+    grown, records = _run(pytester, monkeypatch, "+1%", "-k", "gpt2", EXTRA_MIB=str(one_percent))
+    grown.assert_outcomes(failed=1)
+    assert _failed_sizes(records["test_gpt2_ddp"]) == [1, 2, 8]
+    lines = (pytester.path / "foreign.py").read_text().splitlines()
+    extra = next(i for i, line in enumerate(lines, 1) if "dtype=torch.uint8" in line)
+    assert records["test_gpt2_ddp"]["grown_sites"][0]["site"].startswith(f"foreign.py:{extra} _extra")

@@ -64,6 +64,32 @@ def test_measure_prints_the_scaling_table_of_a_script_and_leaves_nothing(tmp_pat
     assert [p.name for p in private_tmp.iterdir() if p.name.startswith("gpumem")] == []
 
 
+SHARDED = """
+import os
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+kept = torch.empty(256 * 2**20 // 4 // dist.get_world_size(), device="cuda")  # 256 MiB over the world
+dist.destroy_process_group()
+"""
+
+
+def test_a_cuda_script_is_measured_on_a_fake_gpu_and_says_so(tmp_path, private_tmp, launch_tag):
+    pytest.importorskip("torch")
+    (tmp_path / "shard.py").write_text(SHARDED)
+    report = tmp_path / "m.json"
+    done = gpumem("measure", "--nproc", "1,2,4", "--device", "gpu", "--fake-gpu", "on", "--report", str(report),
+                  "--", "shard.py", cwd=tmp_path, tmp=private_tmp, tag=launch_tag)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[3:])}
+    assert [rows[n][1] for n in ("1", "2", "4")] == ["256.0 (rank 0)", "128.0 (rank 0)", "64.0 (rank 0)"]
+    assert all("fake GPU NVIDIA H200" in rows[n][-1] for n in rows), rows
+    assert [s.fake_gpu for s in load_report(report)[0].sizes] == ["NVIDIA H200"] * 3
+
+
 def test_a_failing_program_exits_1_with_its_output(tmp_path, private_tmp, launch_tag):
     (tmp_path / "train.py").write_text("import os, sys\n"
                                        "print('loading shard', os.environ['RANK'], flush=True)\n"
@@ -116,6 +142,10 @@ def test_interrupted_mid_launch_leaves_no_process_and_no_folder(signum, tmp_path
      "argument --max-nproc: '-1' is not accepted: expected an int >= 1, or gpus"),
     (["--nproc", "1,2", "--rank", "1", "--", "t.py"],
      "argument --rank: rank=1 is not accepted: the smallest world size launched is 1"),
+    (["--nproc", "2", "--fake-gpu", "sometimes", "--", "t.py"],
+     "argument --fake-gpu: 'sometimes' is not accepted: expected one of auto, on, off"),
+    (["--nproc", "2", "--device", "gpu", "--fake-gpu-model", "NVIDIA Z9", "--", "t.py"],
+     "argument --fake-gpu-model: fake GPU model 'NVIDIA Z9' is not built in or in "),
     (["--nproc", "2"], "the program is missing: expected it after --"),
     (["--nproc", "2", "--", "python", "t.py"], "the program starts at 'python': start it at the script"),
     (["--nproc", "2", "--", "nothere.py"], "the program 'nothere.py' is not a file under"),

@@ -77,6 +77,8 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         gpu_peaks = {rank: Peak(a.mib, f"fake GPU {plan.fake_gpu}: the allocator figure (no device figure)")
                      for rank, a in allocated.items()}
     peaks = gpu_peaks if use_gpu else host_peaks
+    missing = Peak(None, f"fake GPU {plan.fake_gpu}: the rank reported no allocator figure (it made no CUDA "
+                         "tensor, or ended before its report)" if plan.fake_gpu and use_gpu else "not available")
     if use_gpu:
         provenance.update(plan.provenance)
     elif reading.untracked_host and any(
@@ -89,7 +91,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         world_size=nproc,
         device="gpu" if use_gpu else "cpu",
         platform=platform_key("gpu", gpu_name or "unknown") if use_gpu else platform_key("cpu"),
-        peaks={rank: peaks.get(rank, Peak(None, "not available")) for rank in range(nproc)},
+        peaks={rank: peaks.get(rank, missing) for rank in range(nproc)},
         host_peaks=host_peaks,
         rss_peaks=host.rss_peaks(),
         timeline=tuple(timeline),

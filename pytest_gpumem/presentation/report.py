@@ -81,9 +81,14 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     out.extend(line(row) for row in rows)
     if any(size.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
-    if any(size.ratio_figure == "allocated" for rec in records for size in rec.sizes):
+    by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
+    if by_allocator:
+        peak = ("what nvidia-smi shows" if not any(size.fake_gpu for size in by_allocator) else
+                "the allocator's figure too (a fake GPU has no device figure)" if all(size.fake_gpu for size in
+                                                                                     by_allocator) else
+                "what nvidia-smi shows, or on a fake GPU the allocator's figure (it has no device figure)")
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
-                   "which the ratio limit reads; the peak column is what nvidia-smi shows")
+                   f"which the ratio limit reads; the peak column is {peak}")
     if resident:
         out.append("VmHWM: a rank that ended without reporting its live allocations (killed, crashed, or "
                    "tracking off) is shown by its resident high-water mark, not comparable with live allocations")

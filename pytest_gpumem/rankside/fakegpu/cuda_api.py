@@ -90,7 +90,13 @@ class _State(threading.local):
 _state = _State()
 
 
-_current = {"device": 0}
+# CUDA "initialised" by set_device, init or a first CUDA op (``initialise``, set by ``install``)
+_current: dict[str, Any] = {"device": 0, "initialized": False, "initialise": lambda: None}
+
+
+def initialise() -> None:
+    """Called by the dispatch before the first op on a fake CUDA tensor."""
+    _current["initialise"]()
 _default: dict[int, FakeStream] = {}
 
 
@@ -127,6 +133,21 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Non
     """Replace what a CPU build of ``torch.cuda`` cannot answer; nothing of the real GPU is touched."""
     cuda = torch.cuda
     properties = SimpleNamespace(**model.properties())
+    queued = getattr(cuda, "_queued_calls", [])
+    ours = len(queued)  # those queued before (torch's capability checks) are for a real device
+
+    def initialise() -> None:
+        """torch's lazy init, as far as a fake GPU has one: what waited for it runs now (the plugin's
+        allocator history among it), once."""
+        if _current["initialized"]:
+            return
+        _current["initialized"] = True
+        calls = queued[ours:]
+        del queued[ours:]
+        for call, _ in calls:
+            call()
+
+    _current["initialise"] = initialise
 
     def current_stream(device: Any = None) -> FakeStream:
         if _state.streams:
@@ -152,6 +173,7 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Non
         if not 0 <= index < DEVICES:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index} (a fake GPU node has {DEVICES} GPUs)")
         _current["device"] = index
+        initialise()
 
     def exchange(device: int) -> int:
         before = _current["device"]
@@ -194,8 +216,10 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Non
             pickle.dump(allocator.snapshot(), fh)
 
     replacements: dict[str, Any] = {
-        "is_available": lambda: True, "is_initialized": lambda: True, "_is_in_bad_fork": lambda: False,
-        "init": noop, "_lazy_init": noop, "device_count": lambda: DEVICES,
+        # Initialised as torch's lazy init is: by set_device, init or a first CUDA tensor; a rank that
+        # never got there reads "no allocator figure", as a real one that nvidia-smi never saw.
+        "is_available": lambda: True, "is_initialized": lambda: _current["initialized"],
+        "_is_in_bad_fork": lambda: False, "init": initialise, "_lazy_init": initialise, "device_count": lambda: DEVICES,
         "current_device": lambda: _current["device"], "set_device": set_device, "device": device,
         "_exchange_device": exchange, "_maybe_exchange_device": exchange,
         "get_device_name": lambda device=None: model.name,

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from ..imports import after_import
+from . import cuda_api
 from .accounting import FakeAllocator
 from .models import GpuModel
 
@@ -60,6 +61,7 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any
         FakeTensorMode,
     )
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type as is_wrapper
     from torch.utils._pytree import tree_leaves
 
     aten = torch.ops.aten
@@ -114,6 +116,7 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any
             return out
 
     fake = CountingFakeMode(allow_non_fake_inputs=True)
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
     cuda_type = "cuda"
 
     def wants_fake(args: Any, kwargs: Any) -> bool:
@@ -124,12 +127,28 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any
                 return True
         return False
 
+    initialised = {"done": False}  # the first op on a fake CUDA tensor is torch's lazy CUDA init
+
     class FakeGpuMode(TorchDispatchMode):
         """Sends every op that makes or touches a CUDA tensor to the fake mode; CPU ops run real."""
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(is_wrapper(t) for t in types):
+                # A wrapper subclass (DTensor): let it unwrap with this mode still on, so what it does
+                # inside (its local ops, a CUDA RNG state it makes) comes back here.
+                return NotImplemented
             kwargs = kwargs or {}
+            if func.namespace == "aten" and func.has_kernel_for_dispatch_key(composite):
+                # Seen unexpanded under a subclass's dispatch (``to.dtype_layout`` in DTensor's RNG set-up):
+                # expand it here, so its parts come back one by one (fake mode would run it on the CPU).
+                with self:
+                    expanded = func.decompose(*args, **kwargs)
+                if expanded is not NotImplemented:
+                    return expanded
             if wants_fake(args, kwargs):
+                if not initialised["done"]:
+                    initialised["done"] = True
+                    cuda_api.initialise()
                 with fake:
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
@@ -138,7 +157,16 @@ def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any
     _attention(torch, model, FakeTensor)
     after_import("torch.distributed.tensor._sharding_prop", _pause_sharding_propagation)
     after_import("torch.nn.parallel.distributed", _mend_ddp)
+    after_import("torch.distributed.tensor._random", _mend_dtensor_rng)
+    after_import("torch.distributed.fsdp._init_utils", _mend_fsdp1_move)
     after_import("torch.utils._foreach_utils", lambda m: _foreach_for_fakes(m, FakeTensor))
+    after_import("torch.optim.optimizer", lambda m: _foreach_for_fakes(m, FakeTensor))
+    # torch.tensor(data, device="cuda") builds its tensor below the dispatcher's Python key, on the
+    # device asked for (a CUDA kernel the CPU build lacks); with this set it builds on the CPU and
+    # moves it with a dispatched ``_to_copy``, as inside FakeTensorMode (torch's NOTE "torch.tensor,
+    # lift_fresh, and device movement").
+    torch._C._set_only_lift_cpu_tensors(True)
+    _keep_ties(torch)
     mode = FakeGpuMode()
     mode.__enter__()
     return mode
@@ -212,6 +240,45 @@ class _QuietLogger:
         return getattr(self._logger, name)
 
 
+def _keep_ties(torch: ModuleType) -> None:
+    """``Module.cuda()``/``.to("cuda")`` keeps a real parameter's identity by giving it the moved data;
+    a real tensor cannot take a fake one's (nor be swapped with it), so torch makes a new Parameter in
+    each module that holds it, and a tied weight (transformers' input and output embeddings) would be
+    moved twice and untied: twice its memory, its gradient and its optimizer state. Here a tensor is
+    moved once per call, and the modules that shared a parameter share its moved one."""
+    module_type = torch.nn.Module
+    original = module_type._apply
+    depth = threading.local()
+
+    @functools.wraps(original)
+    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
+        if getattr(depth, "n", 0) or not recurse:
+            return original(self, fn, recurse)
+        held = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        moved: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (the tensor, kept alive; its moved copy)
+
+        def once(tensor: Any) -> Any:
+            if id(tensor) not in moved:
+                moved[id(tensor)] = (tensor, fn(tensor))
+            return moved[id(tensor)][1]
+
+        depth.n = 1
+        try:
+            out = original(self, once, recurse)
+        finally:
+            depth.n = 0
+        first: dict[int, Any] = {}
+        for owner, name, before in held:
+            now = owner._parameters.get(name)
+            if id(before) in first:
+                owner._parameters[name] = first[id(before)]
+            else:
+                first[id(before)] = now
+        return out
+
+    module_type._apply = _apply
+
+
 def _mend_ddp(module: ModuleType) -> None:
     """DDP on a fake GPU: its check that reads parameter values across ranks is skipped (the ranks
     of a simulated world agree), and its logger takes no CUDA timings."""
@@ -228,9 +295,55 @@ def _mend_ddp(module: ModuleType) -> None:
     ddp.__init__ = __init__
 
 
+def _mend_dtensor_rng(module: ModuleType) -> None:
+    """DTensor's random ops keep the CUDA generator's state (16 bytes) as a CUDA tensor and compare
+    it across ranks; a fake one has no values to compare or to advance, so it stays on the CPU."""
+    tracker = getattr(module, "OffsetBasedRNGTracker", None)
+    if tracker is not None and hasattr(tracker, "_get_device_state"):
+        tracker._get_device_state = lambda self: self._device_handle.get_rng_state()
+
+
+def _mend_fsdp1_move(module: ModuleType) -> None:
+    """FSDP1 given a CPU module and ``device_id`` moves it with ``param.data = param.to(device)``:
+    a real tensor cannot take a fake one's data (it would read as a meta tensor), so on a fake GPU
+    each module's parameters and buffers are replaced by their moved copies, as ``Module.cuda()``
+    does, tied ones once."""
+    import collections
+
+    import torch
+
+    original = module._move_module_to_device
+
+    @functools.wraps(original)
+    def move(root: Any, ignored_params: Any, ignored_buffers: Any, device: Any) -> None:
+        if device is None or torch.device(device).type != "cuda":
+            return original(root, ignored_params, ignored_buffers, device)
+        moved: dict[int, Any] = {}
+        queue = collections.deque([root])
+        with torch.no_grad():
+            while queue:
+                current = queue.popleft()
+                for states, ignored, wrap in ((current._parameters, ignored_params, True),
+                                              (current._buffers, ignored_buffers, False)):
+                    for name, tensor in list(states.items()):
+                        if tensor is None or tensor.device.type != "cpu" or tensor in ignored:
+                            continue
+                        if id(tensor) not in moved:
+                            copy = tensor.to(device)
+                            moved[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if wrap else copy
+                        states[name] = moved[id(tensor)]
+                wrapped = module.fsdp_file.FullyShardedDataParallel  # imported after this module
+                queue.extend(c for c in current.children() if not isinstance(c, wrapped))
+        return None
+
+    setattr(module, "_move_module_to_device", move)
+
+
 def _foreach_for_fakes(module: ModuleType, fake_type: type) -> None:
-    """The optimizers' foreach path is taken for tensors of the listed types only; a fake
-    parameter's type is FakeTensor, and without it Adam would run per tensor (another peak)."""
+    """The optimizers' foreach path is taken for tensors of the listed types only (two lists: the
+    optimizers' own, and the one for gradient clipping and the like); a fake parameter's type is
+    FakeTensor, and without it Adam would run per tensor (another peak: the foreach path holds a
+    full-size temporary, the per-tensor one a step's slice)."""
     supported = getattr(module, "_foreach_supported_types", None)
     if isinstance(supported, list) and fake_type not in supported:
         supported.append(fake_type)
@@ -243,10 +356,15 @@ def _sdp_choice(torch: ModuleType, model: GpuModel, query: Any, key: Any, value:
     backends = torch.backends.cuda
     head = query.shape[-1]
     half = query.dtype in (torch.float16, torch.bfloat16)
-    same = key.shape[-1] == head and value.shape[-1] == head and key.shape[-3] == query.shape[-3]
-    if query.dim() != 4 or query.is_nested or (enable_gqa and not same):
+    dims = key.shape[-1] == head and value.shape[-1] == head
+    same = dims and key.shape[-3] == query.shape[-3]
+    # grouped-query attention (enable_gqa, fewer key/value heads): flash takes it, memory-efficient not
+    # (sdp_utils.cpp check_grouped_query_attention in flash's constraints only)
+    grouped = (enable_gqa and dims and key.shape[-3] == value.shape[-3] and key.shape[-3] > 0
+               and query.shape[-3] % key.shape[-3] == 0)
+    if query.dim() != 4 or query.is_nested or (enable_gqa and not (same or grouped)):
         return SDPA_MATH
-    if (backends.flash_sdp_enabled() and half and attn_mask is None and model.major >= 8 and same
+    if (backends.flash_sdp_enabled() and half and attn_mask is None and model.major >= 8 and (same or grouped)
             and head <= 256 and head % 8 == 0):
         return SDPA_FLASH
     if backends.mem_efficient_sdp_enabled() and same and head % (8 if half else 4) == 0 and model.major >= 5:

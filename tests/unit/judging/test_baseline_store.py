@@ -649,3 +649,39 @@ def test_host_platform_keys_name_the_architecture() -> None:
     assert baseline.architecture(platform_key("cpu")) == platform.machine()
     assert baseline.architecture(LEGACY) is None and baseline.architecture(GPU) is None
     assert "cpu_model" in host_provenance({})
+
+
+# -- a real GPU run beside the CPU gate's fake-GPU baseline ------------------------------------------
+
+
+def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size_by_size(tmp_path: Path):
+    """The nightly GPU run of a test the pull-request gate runs on a fake GPU: the two are never
+    compared as limits (filed apart), but the real run reports the fake figure's error."""
+    from pytest_gpumem.config.settings import resolve
+    from pytest_gpumem.config.spec import Defaults, parse_marker
+    from pytest_gpumem.gate import Gate
+    from pytest_gpumem.judging.verdict import SizeResult
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.sampling import AllocatedPeak, Peak
+
+    store = BaselineStore(tmp_path)
+    fake = {n: Entry(mib, {0: mib}, 0, "gpu", "fake GPU NVIDIA H200: the allocator figure (no device figure)", {},
+                     allocated_mib=mib) for n, mib in {1: 11046.8, 8: 7204.7}.items()}
+    store.update("t.py::test_fsdp", "gpu:NVIDIA H200 (fake)", fake)
+    spec = parse_marker((), {"nproc": [1, 8], "device": "gpu"}, Defaults())
+    test = TestRun("t.py::test_fsdp", spec)
+    for n, platform, real in ((1, "gpu:NVIDIA H200", 11046.75), (8, "gpu:NVIDIA H200 (simulated)", 7228.61)):
+        result = SizeResult(n, "gpu", {0: Peak(real + 900, "per-pid sampled")}, platform=platform,
+                            allocated={0: AllocatedPeak(real, real + 100, "torch")})
+        test.runs.append(SizeRun(result=result, launch=LaunchResult(n, "torchrun", []), outcomes={}))
+    gate = Gate(resolve({}, {}, {}, rootdir=tmp_path, enabled=True, refresh=False), store)
+    assert gate._fake_gpu_difference(test) == [
+        "fake GPU vs this GPU: the gpu:NVIDIA H200 (fake) baseline's allocator figure vs this run's, "
+        "nproc=1 11046.80 vs 11046.75 MiB (+0.05, +0.00%); nproc=8 7204.70 vs 7228.61 MiB (-23.91, -0.33%)"]
+
+    fake_run = TestRun("t.py::test_fsdp", spec, runs=[SizeRun(
+        result=SizeResult(1, "gpu", {0: Peak(11046.76, "fake")}, platform="gpu:NVIDIA H200 (fake)",
+                          allocated={0: AllocatedPeak(11046.76, None, "torch")}, fake_gpu="NVIDIA H200"),
+        launch=LaunchResult(1, "torchrun", []), outcomes={})])
+    assert gate._fake_gpu_difference(fake_run) == []  # a fake run is the fake figure: nothing to say
