@@ -30,13 +30,16 @@ $(OF)/.ready: pyproject.toml
 	$(OF)/bin/python -m pip install -q -e ".[oneflow,xdist]"
 	touch $@
 
-$(TO)/.ready: pyproject.toml
+$(TO)/.ready: pyproject.toml tests/frameworks.txt
 	test -n "$(PY311)"
 	$(PY311) -m venv $(TO)
 	$(TO)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU build on the index; a bare `torch` would pull a multi-GB CUDA build.
 	$(TO)/bin/python -m pip install -q "torch==2.13.0"
-	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev,frameworks]"
+	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev]"
+	# The frameworks of tests/jobs.py FOREIGN, apart from the venv: their pytest plugins (anyio's) would
+	# load in every rank of every other test (+0.3 s a start); tests/test_fake_gpu.py puts them on the path.
+	$(TO)/bin/python -m pip install -q --target $(TO)/frameworks -r tests/frameworks.txt
 	touch $@
 
 # The oldest versions pyproject.toml admits (tools/floor-requirements.txt), on the oldest Python.

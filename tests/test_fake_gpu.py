@@ -12,8 +12,10 @@ world): that run, on the lent H200, is benchmarks/results/fake_gpu_tier_on_h200.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,19 +191,25 @@ def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gathe
         assert "the peak column is what nvidia-smi shows" not in result.stdout.str()
 
 
-def test_jobs_written_by_others_run_unchanged_near_the_h200_and_a_1_percent_tensor_in_one_fails_naming_its_line(
+def test_jobs_written_by_others_run_unchanged_near_the_h200_and_a_2_percent_tensor_in_one_fails_naming_its_line(
         pytester, monkeypatch, launch_tag):
     """transformers' GPT-2 with DDP, a Llama sharded torchtitan's way (meta, FSDP2 per block, bf16
     parameters), BERT-large with FSDP1, bf16 and activation checkpointing (tests/jobs.py FOREIGN)."""
-    pytest.importorskip("transformers")
+    frameworks = Path(sys.prefix) / "frameworks"  # make venvs installs tests/frameworks.txt there
+    if frameworks.is_dir():
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(frameworks), os.environ.get("PYTHONPATH")])))
+    elif importlib.util.find_spec("transformers") is None:
+        pytest.skip(f"transformers is neither installed nor in {frameworks} (make venvs)")
     pytester.makepyfile(foreign=FOREIGN, test_foreign=FOREIGN_TESTS)
     first, records = _run(pytester, monkeypatch, "refresh", "--gpumem-refresh")
     first.assert_outcomes(passed=3)
     for job in ("gpt2_ddp", "llama_fsdp2", "bert_fsdp1"):
         _near_the_h200(records[f"test_{job}"], job)
 
-    one_percent = round(H200["gpt2_ddp|healthy|1"]["allocated_mib"] / 100, 1)
-    grown, records = _run(pytester, monkeypatch, "+1%", "-k", "gpt2", EXTRA_MIB=str(one_percent))
+    # 2%: 107 MiB, above the baseline's smallest stored site (72 MiB): a new site smaller than that
+    # may have been there, unstored, so it is not named as new (1% fails the gate just as well)
+    two_percent = round(H200["gpt2_ddp|healthy|1"]["allocated_mib"] / 50, 1)
+    grown, records = _run(pytester, monkeypatch, "+2%", "-k", "gpt2", EXTRA_MIB=str(two_percent))
     grown.assert_outcomes(failed=1)
     assert _failed_sizes(records["test_gpt2_ddp"]) == [1, 2, 8]
     lines = (pytester.path / "foreign.py").read_text().splitlines()
