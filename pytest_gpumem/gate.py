@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .config.settings import Settings
-from .config.spec import Spec
+from .config.spec import Spec, Tolerance
 from .judging import growth as growth_mod
 from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
@@ -82,7 +82,8 @@ class Gate:
             cause = cause or ("baseline-missing" if problems else None)
         if test.skip_reason is None and not problems:
             notes.extend(self._fake_gpu_difference(test))
-            refs = {n: BaselineRef(e.gated_mib, spec.tolerance, e.allocated_mib, spec.allocated_tolerance)
+            refs = {n: BaselineRef(e.gated_mib, self._tolerance(test, n, e, notes),
+                                   e.allocated_mib, spec.allocated_tolerance.resolve(exact=True))
                     for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:
@@ -166,6 +167,29 @@ class Gate:
                             f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
                             f"record it with {refresh}", problems, warnings)
         return stored, filed
+
+    def _tolerance(self, test: TestRun, world_size: int, entry: Entry, notes: list[str]) -> Tolerance:
+        """The tolerance this size's baseline comparison uses: the test's own, or for ``auto`` the
+        exact one where the compared figure reads the same on every rerun (a host figure of live
+        allocations, against a baseline from the same CPU model), else the moving one."""
+        tolerance = test.spec.tolerance
+        if not tolerance.auto:
+            return tolerance
+        result = next((r for r in test.results if r.world_size == world_size and not r.predicted), None)
+        if result is None or result.device != "cpu" or entry.device != "cpu":
+            return tolerance.resolve(exact=False)  # a GPU's device figure moves between launches
+        if not is_allocation_method(_gated_method(result, test.spec.rank)):
+            return tolerance.resolve(exact=False)  # a resident set wanders with the page cache
+        here, there = test.provenance.get("cpu_model"), entry.provenance.get("cpu_model")
+        if here and there and here != there:
+            loose = tolerance.resolve(exact=False)
+            note = (f"the baseline was recorded on another CPU model ({there}; this run: {here}): compared at "
+                    f"tolerance {loose}, the width MKL's code paths need between CPU models; "
+                    f"`gpumem refresh` on this machine compares at {tolerance.resolve(exact=True)}")
+            if note not in notes:
+                notes.append(note)
+            return loose
+        return tolerance.resolve(exact=True)
 
     def _fake_gpu_difference(self, test: TestRun) -> list[str]:
         """On a real GPU, where the same test has a fake GPU's baseline of this model (the CPU gate's):

@@ -298,3 +298,43 @@ def bert_fsdp1():
 
 JOBS = {"gpt2_ddp": gpt2_ddp, "llama_fsdp2": llama_fsdp2, "bert_fsdp1": bert_fsdp1}
 '''
+
+# A small FSDP2 job on the host (gloo): fully_shard over a 4-layer TransformerEncoder, the job on which
+# a new user's reshard_after_forward=False (+9 MiB of ~340) passed the old default tolerance (issue 36).
+# RESHARD_AFTER_FORWARD=0 is that change. Used by tests/test_tolerance.py and benchmarks/tolerance_power.py.
+HOST_FSDP2 = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo")
+    yield
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=[1, 2])
+def test_fsdp2(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 4)
+    reshard = os.environ.get("RESHARD_AFTER_FORWARD", "1") == "1"
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 128, 256)
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+'''

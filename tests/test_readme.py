@@ -162,3 +162,27 @@ def test_the_documented_oneflow_example_runs_as_written(pytester: pytest.Pyteste
     result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=1)
     assert processes_tagged(launch_tag) == []
+
+
+def test_the_readmes_install_line_installs_the_plugin_in_a_fresh_venv_and_a_gpumem_test_runs(tmp_path: Path):
+    """The README's first install line, as written, from the checkout, in a venv with nothing in it;
+    then a newcomer's first gpumem test (host memory: no framework needed)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    line = next(raw.split("#")[0].strip() for raw in block.splitlines() if raw.startswith("pip install"))
+    assert line == "pip install ."
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    done = subprocess.run([str(python), "-m", *line.split()], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_first.py").write_text(
+        "import pytest\n\n\n@pytest.mark.gpumem(nproc=[1, 2], device='cpu', max_mib=500)\n"
+        "def test_first():\n    buffer = bytearray(64 * 2**20)\n")
+    run = subprocess.run([str(python), "-m", "pytest", "--gpumem", "-p", "no:cacheprovider", "test_first.py"],
+                         cwd=project, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    row = re.search(r"test_first\.py::test_first\s+2\s+(\d+\.\d) \(rank 0\)", run.stdout)
+    assert row is not None and 64.0 <= float(row.group(1)) < 128.0, run.stdout[-3000:]  # the 64 MiB it holds

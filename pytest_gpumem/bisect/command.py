@@ -15,6 +15,7 @@ from typing import Sequence
 
 from ..config.spec import SpecError, Tolerance, parse_tolerance
 from ..launching.signal_guard import FatalSignal, SignalGuard
+from ..sampling.allocations import is_allocation_method
 from .commits import BadInput, Commit, between, git, is_ancestor, resolve
 from .search import DIGITS, Judge, StepVerdict, growth_text, search, shown, site_lines
 from .workspace import Measurement, Workspace
@@ -144,6 +145,10 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
     if good_size is None or good_size.gated_mib is None:
         raise BadInput(f"GOOD {good.short} did not measure nproc={nproc}: it launched "
                        f"{', '.join(map(str, reference.launched()))}; expected --nproc among those")
+    gated = good_size.ranks.get(good_size.gated_rank) if good_size.gated_rank is not None else None
+    # every commit measured on this machine: auto is exact for a host figure of live allocations
+    tolerance = tolerance.resolve(good_size.device == "cpu" and gated is not None
+                                  and is_allocation_method(gated.method))
     judge = Judge(nproc, good_size.gated_mib, tolerance)
     print(f"gpumem bisect: {test}, gated peak at nproc={nproc} ({good_size.gated_label}), growth allowed "
           f"above GOOD: {tolerance}; {len(commits) - 1} commits between GOOD and BAD")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable, Literal, get_args
 
 from ..config.spec import Tolerance, parse_tolerance
+from ..sampling.allocations import is_allocation_method
 from ..sampling.sites import from_dicts
 from .growth import site_growth
 from .record import SizeRecord, TestRecord
@@ -76,8 +77,23 @@ def _by_size(records: Iterable[TestRecord]) -> dict[tuple[str, int], tuple[TestR
     return {(rec.test, size.nproc): (rec, size) for rec in records for size in rec.sizes}
 
 
-def _tolerance_of(record: TestRecord, override: Tolerance | None) -> Tolerance:
-    return override if override is not None else parse_tolerance(record.limits.tolerance)
+def _tolerance_of(old: tuple[TestRecord, SizeRecord], new: tuple[TestRecord, SizeRecord],
+                  override: Tolerance | None) -> Tolerance:
+    """``--tolerance``, else the new report's; ``auto`` is exact where the gate's would be: host
+    figures of live allocations, both reports from the same CPU model."""
+    if override is not None:
+        return override
+    (old_rec, old_size), (new_rec, new_size) = old, new
+    tolerance = parse_tolerance(new_rec.limits.tolerance)
+    cpu = new_rec.provenance.get("cpu_model")
+    exact = (new_size.device == "cpu" and bool(cpu) and cpu == old_rec.provenance.get("cpu_model")
+             and all(_live(size) for size in (old_size, new_size)))
+    return tolerance.resolve(exact)
+
+
+def _live(size: SizeRecord) -> bool:
+    peak = size.ranks.get(size.gated_rank) if size.gated_rank is not None else None
+    return peak is not None and is_allocation_method(peak.method)
 
 
 def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
@@ -88,7 +104,7 @@ def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
         return DiffRow(test, nproc, None, new[1].gated_mib, "added", device=new[1].device)
     if new is None:
         return DiffRow(test, nproc, old[1].gated_mib, None, "removed", device=old[1].device)
-    (_, old_size), (new_rec, new_size) = old, new
+    (_, old_size), (_, new_size) = old, new
     old_mib, new_mib, device = old_size.gated_mib, new_size.gated_mib, new_size.device
     if old_size.device != new_size.device:
         return DiffRow(test, nproc, old_mib, new_mib, "device changed", device=f"{old_size.device} -> {device}")
@@ -96,7 +112,7 @@ def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
         return DiffRow(test, nproc, old_mib, new_mib, "predicted on one side", device=device)
     if old_mib is None or new_mib is None:
         return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
-    tolerance = _tolerance_of(new_rec, override)
+    tolerance = _tolerance_of(old, new, override)
     kind, allowance = against_reference(new_mib, old_mib, tolerance)  # the baseline gate's own rule
     sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
     return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device, sites)
@@ -111,7 +127,7 @@ def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | No
     before, after = old_size.allocated_mib, new_size.allocated_mib
     if before is None or after is None:
         return None
-    tolerance = parse_tolerance(new_rec.limits.allocated_tolerance)
+    tolerance = parse_tolerance(new_rec.limits.allocated_tolerance).resolve(exact=True)
     kind, allowance = against_reference(after, before, tolerance)
     sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
     return DiffRow(key[0], key[1], before, after, kind, allowance, str(tolerance), new_size.device, sites,

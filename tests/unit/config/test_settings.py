@@ -84,8 +84,10 @@ def test_the_tolerance_default_is_written_once():
     from pytest_gpumem.config import spec
 
     assert settings().tolerance == spec.Defaults().tolerance == spec.parse_tolerance(spec.DEFAULT_TOLERANCE)
-    sources = Path(spec.__file__).parent.rglob("*.py")
-    assert sum(path.read_text().count(f'"{spec.DEFAULT_TOLERANCE}"') for path in sources) == 1
+    assert spec.DEFAULT_TOLERANCE == "auto" and settings().tolerance.auto
+    texts = [path.read_text() for path in Path(spec.__file__).parent.rglob("*.py")]
+    for value in (spec.EXACT_TOLERANCE, spec.MOVING_TOLERANCE):  # what auto resolves to, each written once
+        assert sum(text.count(f'"{value}"') for text in texts) == 1, value
 
 
 def test_the_floor_cache_lives_under_xdg_cache_home_and_can_be_turned_off(monkeypatch):

@@ -325,10 +325,10 @@ def test_no_tolerance_is_zero():
 
 @pytest.mark.parametrize(
     "value, message",
-    [(5, 'tolerance=5 is not accepted: expected a string like "5%", "256MiB" or "max(5%, 256MiB)" (the larger '
-         'of the two)'),
-     ("-5%", "tolerance='-5%' is not accepted: expected a string like \"5%\", \"256MiB\" or \"max(5%, 256MiB)\" "
-             "(the larger of the two) (non-negative)"),
+    [(5, 'tolerance=5 is not accepted: expected "auto" or a string like "5%", "256MiB" or "max(5%, 256MiB)" '
+         '(the larger of the two)'),
+     ("-5%", "tolerance='-5%' is not accepted: expected \"auto\" or a string like \"5%\", \"256MiB\" or "
+             "\"max(5%, 256MiB)\" (the larger of the two) (non-negative)"),
      ("5", "tolerance='5' is not accepted"), ("5 MB", "tolerance='5 MB' is not accepted"),
      ("5%+", "tolerance='5%+' is not accepted"), ("max(5%, 32MiB", "tolerance='max(5%, 32MiB' is not accepted"),
      ("min(5%, 32MiB)", "tolerance='min(5%, 32MiB)' is not accepted"), ("max()", "tolerance='max()' is not accepted")],
@@ -359,3 +359,48 @@ def test_the_gated_rank_is_the_configured_one_or_the_largest_measured():
     predicted = SizeResult(8, "cpu", {}, prediction=fitted)
     assert predicted.gated_rank("all") is None and predicted.gated_rank(3) == 3
     assert predicted.gated("all") == (fitted.rank_label, fitted.mib)
+
+
+# -- tolerance="auto": as tight as the compared figure is steady ------------------------------------
+
+
+def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_moving_elsewhere(tmp_path: Path):
+    from pytest_gpumem.config.settings import resolve
+    from pytest_gpumem.gate import Gate
+    from pytest_gpumem.judging.baseline import BaselineStore, Entry
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runs import SizeRun, TestRun
+
+    gate = Gate(resolve({}, {}, {}, rootdir=tmp_path, enabled=True, refresh=False), BaselineStore(tmp_path))
+
+    def tolerance(method: str, device: str = "cpu", cpu: str = "Xeon A", stored_cpu: str = "Xeon A",
+                  given: str | None = None) -> tuple[str, list[str]]:
+        kw = {"nproc": 1} if given is None else {"nproc": 1, "tolerance": given}
+        test = TestRun("t.py::test", parse_marker((), kw, Defaults()), provenance={"cpu_model": cpu})
+        result = SizeResult(1, device, {0: Peak(300.0, method)})
+        test.runs.append(SizeRun(result=result, launch=LaunchResult(1, "direct", []), outcomes={}))
+        entry = Entry(300.0, {0: 300.0}, 0, device, method, {"cpu_model": stored_cpu})
+        notes: list[str] = []
+        return str(gate._tolerance(test, 1, entry, notes)), notes
+
+    live = "live allocations (memray)"
+    assert tolerance(live) == ("max(1%, 4MiB)", [])
+    assert tolerance("high-water mark") == ("max(5%, 32MiB)", [])  # a resident set wanders
+    assert tolerance("per-pid sampled", device="gpu") == ("max(5%, 32MiB)", [])  # NVML's figure moves
+    other, notes = tolerance(live, cpu="EPYC B")
+    assert other == "max(5%, 32MiB)" and notes == [
+        "the baseline was recorded on another CPU model (Xeon A; this run: EPYC B): compared at tolerance "
+        "max(5%, 32MiB), the width MKL's code paths need between CPU models; `gpumem refresh` on this machine "
+        "compares at max(1%, 4MiB)"]
+    assert tolerance(live, cpu="EPYC B", given="2%") == ("2%", [])  # a given tolerance is used as given
+
+
+@pytest.mark.parametrize("mib, exact_ok, moving_ok", [(300.0 + 4.0, True, True), (300.0 + 4.0 + JUST, False, True),
+                                                      (300.0 + 32.0 + JUST, False, False)])
+def test_auto_resolved_edges(mib, exact_ok, moving_ok):
+    auto = parse_tolerance("auto")
+    assert str(auto) == "auto" and auto.resolve(exact=False).allowance(300.0) == 32.0
+    for exact, ok in ((True, exact_ok), (False, moving_ok)):
+        v = judge(spec(nproc=1), [result(1, mib)], {1: BaselineRef(300.0, auto.resolve(exact))})
+        assert v.passed is ok
+    assert auto.allowance(300.0) == 32.0  # unresolved (a report read without its machine): never tighter
