@@ -97,6 +97,8 @@ _current: dict[str, Any] = {"device": 0, "initialized": False, "initialise": lam
 def initialise() -> None:
     """Called by the dispatch before the first op on a fake CUDA tensor."""
     _current["initialise"]()
+
+
 _default: dict[int, FakeStream] = {}
 
 

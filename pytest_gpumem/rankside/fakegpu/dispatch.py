@@ -358,8 +358,8 @@ def _sdp_choice(torch: ModuleType, model: GpuModel, query: Any, key: Any, value:
     half = query.dtype in (torch.float16, torch.bfloat16)
     dims = key.shape[-1] == head and value.shape[-1] == head
     same = dims and key.shape[-3] == query.shape[-3]
-    # grouped-query attention (enable_gqa, fewer key/value heads): flash takes it, memory-efficient not
-    # (sdp_utils.cpp check_grouped_query_attention in flash's constraints only)
+    # grouped-query attention (enable_gqa, fewer key/value heads): flash takes it (the Llama job's H200
+    # snapshot holds flash's output and logsumexp only); memory-efficient is not given it here (math)
     grouped = (enable_gqa and dims and key.shape[-3] == value.shape[-3] and key.shape[-3] > 0
                and query.shape[-3] % key.shape[-3] == 0)
     if query.dim() != 4 or query.is_nested or (enable_gqa and not (same or grouped)):

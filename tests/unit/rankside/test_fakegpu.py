@@ -180,6 +180,20 @@ def test_attention_takes_the_kernel_the_cuda_build_would(dtype, mask, head, choi
     assert _sdp_choice(torch, models.model("NVIDIA H200"), q, q, q, attn_mask, False) == choice
 
 
+@pytest.mark.parametrize(("kv_heads", "mask", "choice"), [
+    (4, False, 1),  # grouped-query attention (16 query heads, 4 key/value): flash, as the Llama job on the H200
+    (4, True, 0),  # with a mask flash is out, and memory-efficient takes no grouped heads: math
+    (3, False, 0),  # 16 query heads do not group over 3
+])
+def test_grouped_query_attention_takes_flash_where_the_gpu_did(kv_heads, mask, choice):
+    from pytest_gpumem.rankside.fakegpu.dispatch import _sdp_choice
+
+    q = torch.empty(2, 16, 64, 128, dtype=torch.bfloat16)
+    kv = torch.empty(2, kv_heads, 64, 128, dtype=torch.bfloat16)
+    attn_mask = torch.zeros(64, 64, dtype=torch.bfloat16) if mask else None
+    assert _sdp_choice(torch, models.model("NVIDIA H200"), q, kv, kv, attn_mask, True) == choice
+
+
 # ------------------------------------------------------------------------------------ the shim
 
 
