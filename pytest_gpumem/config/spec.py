@@ -6,6 +6,7 @@ Every error names the argument and what is accepted; the caller adds the test id
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -304,7 +305,9 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         kw["nproc"] = args[0]
     unknown = sorted(set(kw) - set(_ARGS))
     if unknown:
-        raise SpecError(f"unknown argument {unknown[0]!r}: accepted are {', '.join(_ARGS)}")
+        close = difflib.get_close_matches(unknown[0], list(_ARGS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SpecError(f"unknown argument {unknown[0]!r}: {hint}accepted are {', '.join(_ARGS)}")
 
     nproc = _nproc(kw.get("nproc", 1))
     max_mib = kw.get("max_mib")

@@ -34,7 +34,9 @@ def test_ini_ratio_default_and_none_turns_it_off():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"nprocs": 2}, "unknown argument 'nprocs'"),
+        ({"nprocs": 2}, "unknown argument 'nprocs': did you mean 'nproc'? accepted are "),
+        ({"nproc": 2, "max_ration": 1.2}, "unknown argument 'max_ration': did you mean 'max_ratio'? "),
+        ({"nproc": 2, "zzz": 1}, "unknown argument 'zzz': accepted are "),
         ({"nproc": 0}, "nproc=0 is not accepted: expected an int or a list of ints from 1 to 1024"),
         ({"nproc": -2}, "nproc=-2"),
         ({"nproc": 100000}, "from 1 to 1024"),
