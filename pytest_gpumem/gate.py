@@ -47,10 +47,18 @@ class Gate:
             self.store.platforms(test_id)  # reads and validates the whole file
         except BaselineError as exc:
             what = "not refreshed (file left untouched)" if self.settings.refresh else "file unusable (left untouched)"
-            message = f"baseline {what}: {exc}\n  (read before launching: no rank was started)"
+            message = (f"baseline {what}: {exc}{self._next_step(test_id)}\n"
+                       "  (read before launching: no rank was started)")
             record = build(TestRun(test_id, spec), None, "failed", cause="baseline-error", messages=[message])
             return Outcome(record=record, failure=message)
         return None
+
+    def _next_step(self, test_id: str) -> str:
+        """What to do about a baseline file that cannot be used (it is never overwritten)."""
+        file = self.store.file_for(test_id)
+        if self.settings.refresh:
+            return f"; fix what it names, or move {file} aside to record it anew, then refresh again"
+        return f"; fix what it names, or restore it from version control (git checkout -- {file})"
 
     def evaluate(self, test: TestRun, relaunch: Callable[[TestRun, set[int]], None] | None = None) -> Outcome:
         """Judge, refresh, explain. ``relaunch(test, sizes)``: where a failing GPU size has no peak
@@ -77,7 +85,7 @@ class Gate:
             try:
                 stored, filed = self._baselines(test, notes, problems, warnings)
             except BaselineError as exc:
-                problems.append(f"baseline file unusable (left untouched): {exc}")
+                problems.append(f"baseline file unusable (left untouched): {exc}{self._next_step(test.test_id)}")
                 cause = "baseline-error"
             cause = cause or ("baseline-missing" if problems else None)
         if test.skip_reason is None and not problems:
@@ -90,7 +98,8 @@ class Gate:
                 try:
                     changes = self._refresh(test)
                 except BaselineError as exc:
-                    problems.append(f"baseline not refreshed (file left untouched): {exc}")
+                    problems.append(f"baseline not refreshed (file left untouched): {exc}"
+                                    f"{self._next_step(test.test_id)}")
                     cause = cause or "baseline-error"
         if test.unlaunched and test.skip_reason is None and not problems:
             self._unlaunched(test, problems, warnings)

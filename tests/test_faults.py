@@ -771,7 +771,8 @@ def test_unusable_baseline_folder_fails_each_test_clearly_when_read(pytester, la
     if where == "a-regular-file":
         result.assert_outcomes(failed=2)
         result.stdout.fnmatch_lines([f"*baseline file unusable (left untouched): {folder}/test_job.py.json: "
-                                     "(file): cannot be read (Not a directory)*"])
+                                     "(file): cannot be read (Not a directory)*; fix what it names, or restore it "
+                                     f"from version control (git checkout -- {folder}/test_job.py.json)*"])
         assert folder.read_text() == "keep me\n"
     else:  # nothing there to read: a missing baseline, a warning outside CI
         result.assert_outcomes(passed=2)
@@ -786,7 +787,8 @@ def test_unusable_baseline_folder_fails_a_refresh_clearly(pytester, launch_tag, 
     pytester.makepyfile(test_job=HELPERS + NEXT + NEXT.replace("test_next", "test_last"))
     result = run_inline(pytester, "--gpumem-refresh", f"--gpumem-baselines={folder}")
     result.assert_outcomes(failed=2)
-    result.stdout.fnmatch_lines([f"*baseline not refreshed (file left untouched): *{reason}*"])
+    result.stdout.fnmatch_lines([f"*baseline not refreshed (file left untouched): *{reason}*; fix what it names, "
+                                 "or move * aside to record it anew, then refresh again*"])
     assert "Traceback" not in result.stdout.str() and "Error: [Errno" not in result.stdout.str()
     result.stdout.fnmatch_lines(["*gpumem: peak memory per rank*"])  # the table still lists them
 
