@@ -393,6 +393,7 @@ def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_movin
         "max(5%, 32MiB), the width MKL's code paths need between CPU models; `gpumem refresh` on this machine "
         "compares at max(1%, 4MiB)"]
     assert tolerance(live, cpu="EPYC B", given="2%") == ("2%", [])  # a given tolerance is used as given
+    assert tolerance(live, stored_cpu="") == ("max(5%, 32MiB)", [])  # a baseline that did not record its CPU
 
 
 @pytest.mark.parametrize("mib, exact_ok, moving_ok", [(300.0 + 4.0, True, True), (300.0 + 4.0 + JUST, False, True),
