@@ -100,11 +100,8 @@ JOBS = {"ddp": ddp, "fsdp2": fsdp2, "twin": lambda: ddp(gather=True)}
 '''
 
 
-# The GPU tier's jobs (tests/test_gpu.py) as one module, for the fake GPU (tests/test_fake_gpu.py,
-# benchmarks/fake_gpu_figures.py): each is a function of the world the rank is in, written for CUDA
-# as a user writes it (set_device, init_process_group("nccl"), .cuda()). EXTRA_MIB keeps one more
-# tensor alive (the 1% regression); SHARDING switches FULL_SHARD to NO_SHARD (declared config).
-GPU_TIER = '''
+# What every CUDA job module below starts with: set_device + NCCL, and the EXTRA_MIB tensor.
+_CUDA_JOB = '''
 import os
 
 import torch
@@ -121,7 +118,13 @@ def _start():
 def _extra():
     extra = float(os.environ.get("EXTRA_MIB", "0"))
     return torch.empty(int(extra * MiB), dtype=torch.uint8, device="cuda") if extra else None
+'''
 
+# The GPU tier's jobs (tests/test_gpu.py) as one module, for the fake GPU (tests/test_fake_gpu.py,
+# benchmarks/fake_gpu_figures.py): each is a function of the world the rank is in, written for CUDA
+# as a user writes it (set_device, init_process_group("nccl"), .cuda()). EXTRA_MIB keeps one more
+# tensor alive (the 1% regression); SHARDING switches FULL_SHARD to NO_SHARD (declared config).
+GPU_TIER = _CUDA_JOB + '''
 
 def _train(model, steps=3):
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -191,24 +194,7 @@ JOBS = {"fsdp1": fsdp1, "fsdp2": fsdp2, "ddp": ddp, "ddp_gather": lambda: ddp(ga
 # Jobs written by others, as their users run them (issue 34): Hugging Face transformers' models, built
 # from a config (no download), trained with torch's own wrappers the way their recipes do. Each
 # returns what EXTRA_MIB kept alive; they run on a real GPU and on a fake one unchanged.
-FOREIGN = '''
-import os
-
-import torch
-import torch.distributed as dist
-
-MiB = 2**20
-
-
-def _start():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-
-
-def _extra():
-    extra = float(os.environ.get("EXTRA_MIB", "0"))
-    return torch.empty(int(extra * MiB), dtype=torch.uint8, device="cuda") if extra else None
-
+FOREIGN = _CUDA_JOB + '''
 
 def _steps(model, batch, steps=3):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
