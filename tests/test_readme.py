@@ -82,15 +82,26 @@ def test_the_reference_lists_every_option_and_marker_argument(pytester: pytest.P
     from pytest_gpumem.config.spec import MARKER_ARGUMENTS
 
     hooks = docs_hooks()
-    page = (REPO / "docs" / "reference.md").read_text()
-    assert hooks.MARKER_TABLE in page and hooks.OPTION_TABLE in page
-    rendered = page.replace(hooks.MARKER_TABLE, hooks.marker_table()).replace(hooks.OPTION_TABLE, hooks.option_table())
+    rendered = (REPO / "docs" / "reference.md").read_text()
+    assert hooks.MARKER_TABLE in rendered and hooks.OPTION_TABLE in rendered
     for argument in MARKER_ARGUMENTS:
         assert f"| `{argument.name}` |" in rendered
     for option in OPTIONS:
         assert all(f"`{name}`" in rendered for name in (option.flag, option.env, option.ini) if name)
     flags = set(re.findall(r"(--gpumem[\w-]*)", "\n".join(pytester.runpytest("--help").outlines)))
     assert len(flags) > len(OPTIONS) and [f for f in sorted(flags) if f"`{f}`" not in rendered] == []
+
+
+def test_the_reference_pages_committed_tables_are_the_codes(tmp_path: Path):
+    """docs/reference.md holds the tables as the code writes them (the repository's page shows them);
+    a table edited by hand, or left behind by a new argument, is a failure that names the fix."""
+    hooks = docs_hooks()
+    page = (REPO / "docs" / "reference.md").read_text()
+    assert hooks.with_tables(page) == page, "docs/reference.md's tables are not current: run `make reference`"
+    stale = page.replace("| `nproc` |", "| `nprocs` |", 1)
+    assert stale != page and hooks.with_tables(stale) == page
+    with pytest.raises(ValueError, match="has no <!-- end of generated table"):
+        hooks.with_tables(page.replace(hooks.END_TABLE, "", 1))
 
 
 def test_the_pages_have_links_to_check():
@@ -186,3 +197,63 @@ def test_the_readmes_install_line_installs_the_plugin_in_a_fresh_venv_and_a_gpum
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     row = re.search(r"test_first\.py::test_first\s+2\s+(\d+\.\d) \(rank 0\)", run.stdout)
     assert row is not None and 64.0 <= float(row.group(1)) < 128.0, run.stdout[-3000:]  # the 64 MiB it holds
+
+
+def documented_markers() -> list[tuple[str, str, tuple, dict]]:
+    """(page, the marker's source, its positional and keyword arguments) of every gpumem marker in the
+    pages' Python blocks; a block that is not whole Python (an excerpt with ...) is read line by line."""
+    import ast
+
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M):
+            try:
+                trees = [ast.parse(block)]
+            except SyntaxError:
+                trees = [ast.parse(m) for m in re.findall(r"@(?:pytest\.mark\.)?gpumem\(.*?\)\n(?=\s*(?:@|def))",
+                                                          block, re.S)]
+            for tree in trees:
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.mark.gpumem", "gpumem"):
+                        args = tuple(ast.literal_eval(a) for a in node.args)
+                        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+                        found.append((page.relative_to(REPO).as_posix(), ast.unparse(node), args, kwargs))
+    return found
+
+
+def test_every_marker_the_docs_show_is_accepted_as_written():
+    """A newcomer copies the pages' markers: each one parses (the argument names and values exist),
+    and the simulation page's own example asks for what it says."""
+    from pytest_gpumem.config.spec import Defaults, SpecError, parse_marker
+
+    markers = documented_markers()
+    assert len(markers) >= 8
+    refused = []
+    for page, source, args, kwargs in markers:
+        try:
+            parse_marker(args, kwargs, Defaults())
+        except SpecError as err:
+            refused.append(f"{page}: {source}: {err}")
+    assert refused == []
+    simulation = [kwargs for page, _, _, kwargs in markers if page == "docs/simulation.md"]
+    assert {"auto", "on"} <= {k.get("simulate", "auto") for k in simulation[:2]}
+
+
+def test_the_built_site_opens_from_disk_with_its_search_and_fetches_nothing():
+    """`make docs` (run before the tests by `make test`) builds a site that works from file://: pages
+    are files (no folder URLs), the search index is a script, the Web Worker shim is the site's own,
+    and no page loads a script, font or style sheet from the network."""
+    site = REPO / "site"
+    if not (site / "index.html").exists():
+        pytest.skip("the site is not built here: `make docs` builds it (make test does first)")
+    assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
+    pages = sorted(site.glob("*.html"))
+    assert len(pages) >= 15 and (site / "reference.html").exists()
+    remote = []
+    for page in pages:
+        html = page.read_text()
+        remote += [f"{page.name}: {url}" for url in re.findall(r'(?:src|href)="(https?://[^"]+)"', html)
+                   if re.search(r"\.(js|css|woff2?)\b|fonts\.|unpkg|cdn", url)]
+        if page.name != "404.html":
+            assert "javascripts/iframe-worker-shim.js" in html, page.name
+    assert remote == []

@@ -2,8 +2,10 @@
 
 Three jobs, so that the site is built from the repository as it is and cannot drift from it:
 
-- the reference page's tables are written from the code at build time: the marker arguments from
-  ``pytest_gpumem.config.spec.MARKER_ARGUMENTS``, the options from ``pytest_gpumem.config.settings.OPTIONS``;
+- the reference page's tables are written from the code: the marker arguments from
+  ``pytest_gpumem.config.spec.MARKER_ARGUMENTS``, the options from ``pytest_gpumem.config.settings.OPTIONS``.
+  They are committed in docs/reference.md too (``make reference`` rewrites them; a test checks they are
+  current), so the page reads the same on the repository's page; the build writes them again;
 - README.md becomes the site's home page and CHANGELOG.md its changelog page;
 - a page's relative link to a repository file outside docs/ (a benchmark result, a script) is
   rewritten to a copy of that file in the site; a link to a file that does not exist is a warning,
@@ -32,6 +34,7 @@ _PAGE_OF = {source: page for page, source in OUTSIDE_PAGES.items()}
 COPIED = "repository"  # where the site keeps copies of the repository files that pages link to
 MARKER_TABLE = "<!-- generated: marker arguments -->"
 OPTION_TABLE = "<!-- generated: options -->"
+END_TABLE = "<!-- end of generated table: make reference -->"
 
 _LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -68,6 +71,19 @@ def option_table() -> str:
         rows.append(f"| {'<br>'.join(n for n in names if n)} | {_cell(opt.default_text)} | {_cell(opt.accepted)} "
                     f"| {_cell(opt.help)} |")
     return "\n".join(rows)
+
+
+def with_tables(markdown: str) -> str:
+    """The page with each generated table (from its start mark to ``END_TABLE``) written afresh."""
+    for mark, table in ((MARKER_TABLE, marker_table), (OPTION_TABLE, option_table)):
+        if mark not in markdown:
+            continue
+        before, after = markdown.split(mark, 1)
+        old, found, rest = after.partition(END_TABLE)
+        if not found or "<!-- generated:" in old:
+            raise ValueError(f"docs/reference.md: {mark} has no {END_TABLE} after it")
+        markdown = f"{before}{mark}\n{table()}\n{END_TABLE}{rest}"
+    return markdown
 
 
 def _source(src_uri: str) -> str:
@@ -115,10 +131,7 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if MARKER_TABLE in markdown:
-        markdown = markdown.replace(MARKER_TABLE, marker_table())
-    if OPTION_TABLE in markdown:
-        markdown = markdown.replace(OPTION_TABLE, option_table())
+    markdown = with_tables(markdown)
     source = _source(page.file.src_uri)
     here = posixpath.dirname(page.file.src_uri)
     for link, path in repository_links(markdown, source).items():
@@ -137,3 +150,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             markdown = _LINK.sub(lambda m: m.group(1) + new + m.group(3) if m.group(2) == link else m.group(0),
                                  markdown)
     return markdown
+
+
+if __name__ == "__main__":  # `make reference`: rewrite the committed tables of docs/reference.md
+    page = REPO / "docs" / "reference.md"
+    page.write_text(with_tables(page.read_text()))
