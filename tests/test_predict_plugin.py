@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+from conftest import processes_tagged
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -144,3 +147,50 @@ def test_from_two_launched_sizes_a_prediction_is_shown_and_never_fails(pytester,
     assert ratio["advisory"] and not ratio["ok"] and not at8["failed"]
     healthy8 = next(s for s in records["test_healthy"]["sizes"] if s["nproc"] == 8)
     assert all(c["ok"] for c in healthy8["checks"])
+
+
+def documented(page: str, mark: str) -> str:
+    """The message a docs page quotes after ``<!-- mark -->``, its line breaks read as spaces."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()
+    quoted = text.split(f"<!-- {mark} -->`", 1)[1].split("`", 1)[0]
+    return " ".join(quoted.split())
+
+
+@pytest.mark.parametrize("ci", ["", "true"], ids=["workstation", "ci"])
+def test_a_size_above_the_cap_with_one_size_that_fits_is_named_and_fails_under_ci(pytester, launch_tag, ci,
+                                                                                    monkeypatch):
+    """docs/predict.md, as written: nproc=8 under a cap of 2 with only nproc=1 fitting is not launched,
+    the message the page quotes says so, and that is a warning on a workstation, a failure under CI."""
+    monkeypatch.setenv("CI", ci)
+    pytester.makepyfile(test_capped=JOBS.replace("nproc=[1, 2, 4, 8]", "nproc=[1, 8]", 1))
+    result = pytester.runpytest("--gpumem", "--gpumem-max-nproc", "2", "--gpumem-missing-baseline", "warn",
+                                "-p", "no:cacheprovider", "-k", "healthy")
+    out = " ".join(result.stdout.str().split())
+    assert documented("predict.md", "unlaunched") in out
+    result.assert_outcomes(**({"failed": 1} if ci else {"passed": 1}))
+    assert processes_tagged(launch_tag) == []
+
+
+def test_a_size_this_hosts_memory_cannot_hold_is_not_started_and_says_why(pytester, launch_tag):
+    """nproc=[1, 1000] with no cap set (issue 36): 1000 interpreters do not fit this host's memory,
+    so they are not started; the test says so and passes on what it checked (no CI here)."""
+    import psutil
+
+    from pytest_gpumem.launching.scaling import RANK_LEAST_MIB
+
+    assert 1000 * RANK_LEAST_MIB > psutil.virtual_memory().total / 2**20, "a host this large launches 1000"
+    pytester.makepyfile(test_huge='''
+import pytest
+
+
+@pytest.mark.gpumem(nproc=[1, 1000], device="cpu", max_mib=500)
+def test_huge():
+    kept = bytearray(8 * 2**20)
+''')
+    result = pytester.runpytest("--gpumem", "--gpumem-missing-baseline", "warn", "--gpumem-unlaunched", "warn",
+                                "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    out = " ".join(result.stdout.str().split())
+    assert "nproc=1000 not launched: needs more processes than can be launched here (at most " in out
+    assert "GiB of memory, at the 30 MiB a rank holds before its test starts)" in out
+    assert processes_tagged(launch_tag) == []

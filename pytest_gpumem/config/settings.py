@@ -178,13 +178,13 @@ OPTIONS: tuple[Option, ...] = (
            str, "", "a file path, or off",
            "where floors are kept for later sessions, per machine, driver, framework, Python, launch and size "
            "(off: measured in every session)",
-           shown_default="$XDG_CACHE_HOME/pytest-gpumem/floors.json (~/.cache/pytest-gpumem/floors.json)"),
+           shown_default="floors.json in a pytest-gpumem folder of $XDG_CACHE_HOME (~/.cache when unset)"),
     Option("startup_cache", "--gpumem-startup-cache", "GPUMEM_STARTUP_CACHE", "gpumem_startup_cache",
            str, "", "a file path, or off",
            "where the ranks' start-up figures (gpumem_host_startup=cached) are kept for later sessions, per "
            "machine, Python, installed versions, test, launch and size, checked against the rootdir files "
            "the ranks imported (off: measured in every session)",
-           shown_default="startups.json beside the floor cache (~/.cache/pytest-gpumem/startups.json)"),
+           shown_default="startups.json beside the floor cache"),
     Option("track_host", "--gpumem-track-host", TRACK_ENV, "gpumem_track_host",
            _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
            "track each rank's host allocations (memray: the gated host figure). auto: where the host figure "
@@ -235,7 +235,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("slurm_dir", "--gpumem-slurm-dir", "GPUMEM_SLURM_DIR", "gpumem_slurm_dir",
            str, "", "a folder path that every node of the allocation sees",
            "launcher=srun: where the ranks write their results",
-           shown_default="$SLURM_SUBMIT_DIR/.gpumem-slurm"),
+           shown_default=".gpumem-slurm in $SLURM_SUBMIT_DIR"),
     Option("srun_args", "--gpumem-srun-args", "GPUMEM_SRUN_ARGS", "gpumem_srun_args",
            _shell_words, "", 'srun options in one string, e.g. "--gpus-per-task=1 --cpus-per-task=8"',
            "launcher=srun: extra srun options for every launch (GPU binding, CPUs per task)",
@@ -249,7 +249,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_nproc", "--gpumem-max-nproc", "GPUMEM_MAX_NPROC", "gpumem_max_nproc",
            _max_nproc, "gpus", "an int >= 1, or gpus (the GPUs present)",
            "largest world size launched; larger nproc sizes are predicted from the launched ones",
-           shown_default="gpus: the GPUs present where the ranks use GPUs, no cap on host memory"),
+           shown_default="gpus: the GPUs present where the ranks use GPUs; on host memory, what the host's "
+                         "memory can hold (30 MiB a rank)"),
     Option("predict", "--gpumem-no-predict", "GPUMEM_PREDICT", "gpumem_predict",
            _bool, "1", "1 or 0 (true/false, on/off)",
            "skip, instead of predict, nproc sizes above the launch cap", const="0",

@@ -1,7 +1,9 @@
 """World sizes above what can be launched here: launch the ones that fit, simulate or predict the others.
 
 The cap is ``gpumem_max_nproc`` when set (so it can be exercised on CPU), else the GPUs present
-when the ranks would use GPUs, else none (host memory: every size launches). A size above the cap
+when the ranks would use GPUs, else what this host's memory can hold at all (host memory: the
+ranks of ``nproc=1000`` on a 24 GiB machine would each need the ~30 MiB an interpreter with pytest
+and the plugin holds before the test starts, so they are not started). A size above the cap
 runs as a simulated world (``simulate``, :mod:`pytest_gpumem.rankside.simulate`; torch), else is
 predicted from the launched sizes (:mod:`pytest_gpumem.judging.predict`) when at least two fit,
 else is shown as not launched. The sizes that fit are always launched and gated. Used by the
@@ -18,16 +20,35 @@ from ..judging.predict import PredictError, predict
 from ..judging.verdict import ALLOCATED, DEVICE, HOST, SizeResult
 from .runner import Runner, TestRun
 
+# The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
+# rank code imported (30.3 MiB measured, torch venv, Python 3.11); a framework adds to it.
+RANK_LEAST_MIB = 30.0
+
+
+def host_memory_mib() -> float:
+    import psutil
+
+    return float(psutil.virtual_memory().total) / 2**20
+
 
 class Capacity:
     """How many ranks one launch may have, and whether larger sizes are predicted."""
 
     def __init__(self, max_nproc: int | None = None, predict: bool = True,
-                 gpu_count: Callable[[], int] = lambda: 0) -> None:
+                 gpu_count: Callable[[], int] = lambda: 0,
+                 host_mib: Callable[[], float] = host_memory_mib) -> None:
         self.max_nproc = max_nproc  # gpumem_max_nproc; None: the GPUs present decide
         self.predict = predict
         self._gpu_count = gpu_count  # asked once, and only when max_nproc is None and GPUs matter
         self._gpus: int | None = None
+        self._host_mib = host_mib  # asked only when a size is large enough for it to matter
+
+    def host_cap(self) -> tuple[int, str]:
+        """The most ranks this host's memory can hold at all, and why."""
+        total = self._host_mib()
+        most = max(1, int(total // RANK_LEAST_MIB))
+        return most, (f"this host's {total / 1024:.1f} GiB of memory, at the {RANK_LEAST_MIB:g} MiB a rank holds "
+                      "before its test starts")
 
     def gpus(self, spec: Spec) -> int | None:
         """The GPUs the ranks would use (None: host memory)."""
@@ -48,13 +69,15 @@ class Capacity:
         """(largest launchable size or None for no cap, where that number comes from)."""
         if self.max_nproc is not None:
             return self.max_nproc, f"gpumem_max_nproc={self.max_nproc}"
-        if spec.device == "cpu":
+        if spec.device != "cpu":
+            if self._gpus is None:
+                self._gpus = int(self._gpu_count())
+            if self._gpus:
+                return self._gpus, f"{self._gpus} GPU(s) on this machine"
+        # host memory (auto with no GPU; gpu: the planner skips, saying so, as before)
+        if max(spec.sizes) * RANK_LEAST_MIB <= 1024:  # a GiB fits anywhere: the host is not asked
             return None, ""
-        if self._gpus is None:
-            self._gpus = int(self._gpu_count())
-        if self._gpus == 0:  # auto: host memory, no cap; gpu: the planner skips, saying so, as before
-            return None, ""
-        return self._gpus, f"{self._gpus} GPU(s) on this machine"
+        return self.host_cap()
 
 
 @dataclass(frozen=True)

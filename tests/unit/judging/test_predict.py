@@ -228,6 +228,26 @@ def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
     assert plan(s, Capacity(gpu_count=lambda: 0)).predicted == ()  # no GPU: host memory, no cap
 
 
+def test_sizes_this_hosts_memory_cannot_hold_are_not_started_and_say_why():
+    """nproc=1000 on a 2-core, 24 GiB runner (issue 36): its 1000 interpreters alone would need ~29 GiB."""
+    asked = []
+
+    def host_mib():
+        asked.append(1)
+        return 24 * 1024.0
+
+    capacity = Capacity(host_mib=host_mib)
+    assert plan(spec(nproc=[1, 2, 8], device="cpu"), capacity).launch.nproc == (1, 2, 8) and asked == []
+    big = plan(spec(nproc=[1, 1000], device="cpu"), capacity)
+    assert big.launch.nproc == (1,) and big.unlaunched == (1000,)
+    assert big.why == ("needs more processes than can be launched here (at most 819: this host's 24.0 GiB of "
+                       "memory, at the 30 MiB a rank holds before its test starts); predicting needs at least "
+                       "two launched sizes")
+    assert plan(spec(nproc=[1, 2, 4, 1000], device="cpu"), capacity).predicted == (1000,)
+    assert plan(spec(nproc=[1, 800], device="cpu"), capacity).launch.nproc == (1, 800)
+    assert plan(spec(nproc=[1, 1000]), Capacity(gpu_count=lambda: 0, host_mib=host_mib)).unlaunched == (1000,)
+
+
 # ----------------------------------------------------------------------------- renderings of a record
 
 def _predicted_record():
