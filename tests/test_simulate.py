@@ -88,7 +88,7 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
     assert set(out.host_peaks) == {3, 7} and out.rss_peaks == {3: 1.0, 7: 2.0}
     assert out.timeline == ((0.5, {3: 10.0, 7: 11.0}),)
     assert {r: o.outcome for r, o in run.outcomes.items()} == {3: "passed", 7: "failed"}
-    assert run.problems == ["rank 1 failed\n(a simulated world of 8: process 0 = rank 3, process 1 = rank 7)"]
+    assert run.problems == ["rank 1 failed"]
 
 
 def test_a_simulated_platform_key_is_marked_once():
@@ -149,3 +149,30 @@ def test_simulated_nproc2_reads_the_real_figure_and_catches_the_same_regression(
         "test_ddp_real": "passed", "test_ddp_simulated": "passed",
         "test_twin_real": "failed", "test_twin_simulated": "failed"}
     result.stdout.fnmatch_lines(["*gpumem: * MiB > * MiB (rank 0, nproc=2*"])
+
+
+OTHER_RANKS_OBJECT = '''
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.gpumem(nproc=[1, 2], device="cpu", simulate="on")
+def test_reads_rank_1s_config():
+    dist.init_process_group("gloo")
+    config = [None]
+    dist.broadcast_object_list(config, src=dist.get_world_size() - 1)
+    dist.destroy_process_group()
+'''
+
+
+def test_a_simulated_ranks_error_shows_the_users_line_not_the_plugins_frames(pytester, launch_tag):
+    """What the stand-in cannot answer is raised at the user's call, as pytest shows its own helpers'
+    errors: the traceback ends at the test's line, with no frame of the plugin's (issue 36)."""
+    pytester.makepyfile(test_object=OTHER_RANKS_OBJECT)
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "warn")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "SimulationError: broadcast_object_list from rank 1 in rank 0 of a simulated world of 2" in out
+    assert "dist.broadcast_object_list(config, src=dist.get_world_size() - 1)" in out
+    assert "rank 0 of 2 (simulated) failed: " in out  # the rank it stood for, not "rank 0 of 1"
+    assert "/pytest_gpumem/" not in out

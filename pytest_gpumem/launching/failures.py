@@ -26,7 +26,10 @@ _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
 
 
 def who(launch: LaunchResult, rank: int) -> str:
-    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes."""
+    """``rank 2 of 4``, and ``(node n2)`` where the ranks ran on several nodes; in a simulated world
+    the rank a process stood for: ``rank 5 of 8 (simulated)``, not its place in the launch."""
+    if launch.simulated and rank < len(launch.simulated):
+        return f"rank {launch.simulated[rank]} of {launch.world_size} (simulated)"
     node = launch.nodes.get(rank)
     return f"rank {rank} of {launch.nproc}" + (f" (node {node})" if node else "")
 

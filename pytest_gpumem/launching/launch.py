@@ -79,6 +79,9 @@ class LaunchResult:
     leftovers: list[int] = field(default_factory=list)
     nodes: dict[int, str] = field(default_factory=dict)  # srun: the node of each rank
     problems: list[str] = field(default_factory=list)    # what the launcher itself found wrong
+    # a simulated world: process i stood for rank simulated[i] of world_size (the request's)
+    simulated: tuple[int, ...] = ()
+    world_size: int = 0
     results: dict[int, protocol.RankResult] = field(default_factory=dict)  # each rank's test outcome
     # How the launch ended: "done" (every process the plugin started ended by itself), "fail-fast"
     # (a rank failed; the plugin ended the others after a grace) or "timeout".
@@ -210,7 +213,8 @@ class Launch(LaunchProcesses):
         port = lease.port if lease is not None else free_port()
         command = self._command(port)
         result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command,
-                              pythonpath=env.get("PYTHONPATH"), port=port, port_note=note)
+                              pythonpath=env.get("PYTHONPATH"), port=port, port_note=note,
+                              simulated=req.simulated, world_size=req.world_size)
         start = time.monotonic()
         guard = SignalGuard()
         try:
@@ -403,16 +407,30 @@ class Launch(LaunchProcesses):
             result.launcher_returncode = codes[0] if codes else None
 
 
-_HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py",
-                   "pytest_gpumem/rankside/rank.py", "/runpy.py",
-                   # a forked rank's stack starts in the pytest that forked it
-                   "pytest_gpumem/plugin.py", "pytest_gpumem/gate.py", "pytest_gpumem/launching/")
+# Frames every rank has in common (pytest, pluggy, runpy; a forked rank's stack starts in the pytest
+# that forked it) and the plugin's own, cut as pytest cuts its own: what is left is the user's.
+_HARNESS_FRAMES = ("/_pytest/", "/pluggy/", "<frozen runpy>", "/pytest/__main__.py", "/runpy.py",
+                   "/pytest_gpumem/")
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$")
+_STDLIB = re.compile(r'File "[^"]*/lib/python3\.\d+/(?!(site|dist)-packages/)[^"]*"|File "<frozen ')
 
 
 def _user_frames(stack: str) -> str:
-    """A faulthandler dump without the pytest/pluggy/runpy frames every rank has in common."""
-    return "\n".join(line for line in stack.splitlines()
-                     if not any(frame in line for frame in _HARNESS_FRAMES))
+    """A faulthandler dump without the harness's and the plugin's frames, and without the threads
+    that had no frame but those and the standard library's (a sampler's; a rank that was only
+    finishing the plugin's own work): what is left is where the user's job was."""
+    blocks: list[list[str]] = [[]]  # the lines before the first thread, then one list per thread
+    for line in stack.splitlines():
+        if _THREAD.match(line.strip()):
+            blocks.append([line])
+        elif not (line.lstrip().startswith("File ") and any(frame in line for frame in _HARNESS_FRAMES)):
+            blocks[-1].append(line)
+    kept = list(blocks[0])
+    for block in blocks[1:]:
+        frames = [line for line in block[1:] if line.lstrip().startswith("File ")]
+        if any(not _STDLIB.search(line) for line in frames):
+            kept.extend(line for line in block if line.strip())
+    return "\n".join(kept).strip("\n")
 
 
 def _read(path: Path) -> str:

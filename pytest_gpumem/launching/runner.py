@@ -335,6 +335,4 @@ def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
         rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
         nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline))
     run.outcomes = {ranks[slot]: o for slot, o in run.outcomes.items() if slot < len(ranks)}
-    who = ", ".join(f"process {slot} = rank {rank}" for slot, rank in enumerate(ranks))
-    run.problems = [f"{p}\n(a simulated world of {world}: {who})" for p in run.problems]
-    return run
+    return run  # its problems name the ranks its processes stood for already (failures.who)

@@ -25,6 +25,10 @@ from ..sampling.sites import Site, group, thin
 from ..sampling.torch_history import replay
 from .imports import after_import
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 HISTORY_ENTRIES = 200_000  # events kept (a ring): enough for the peak of a few training steps
 
 

@@ -9,6 +9,10 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 
 def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
     """``then(module)`` once ``name`` is imported: now if it is, else right after its ``__init__``."""

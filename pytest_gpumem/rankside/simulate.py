@@ -30,6 +30,10 @@ from typing import Any, Callable
 
 from .imports import after_import
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 SIMULATE_ENV = "GPUMEM_SIMULATED_RANK"  # "R/W": this process is rank R of a simulated world of W
 
 

@@ -40,6 +40,10 @@ from typing import Any
 
 from . import MiB
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 METHOD = "live allocations (memray)"
 
 

@@ -18,6 +18,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 FAKE_GPU_ENV = "GPUMEM_RANK_FAKE_GPU"  # the GPU model this rank's fake GPU emulates (set by the launch)
 CALIBRATION_ENV = "GPUMEM_FAKE_GPU_CALIBRATION"  # the calibration file beside the baselines, if any
 

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 BLOCK = 512  # kMinBlockSize: every allocation is a multiple of it
 HISTORY_DEPTH = 64
 HERE = str(Path(__file__).resolve().parent)

@@ -17,6 +17,10 @@ from typing import Any, Iterator
 from .accounting import FakeAllocator
 from .models import GpuModel
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 DEVICES = 8  # c10's FakeGuardImpl: an 8-GPU node of the model
 
 

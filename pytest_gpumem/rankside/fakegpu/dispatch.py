@@ -34,6 +34,10 @@ from . import cuda_api
 from .accounting import FakeAllocator
 from .models import GpuModel
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 
 class FakeGpuError(RuntimeError):
     """What a fake GPU cannot compute; the message names the op and what to do instead."""

@@ -18,6 +18,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+# pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
+# (`--fulltrace` shows them): an error it raises is shown at the user's call.
+__tracebackhide__ = True
+
 SOURCE = Path(__file__).with_name("shim.cpp")
 BUILD_TIMEOUT_S = 300.0
 

@@ -110,3 +110,53 @@ def test_the_launchers_output_is_shown_once_for_ranks_without_a_log(tmp_path):
                                     "started the plugin's rank code")
     assert ("rank 1 of 2 ended without a result (torchrun launcher killed by SIGKILL) before the plugin's rank code "
             "started; it left no log of its own (the launcher's output is above)") in text
+
+
+FINISHING_CAPTURE = '''Thread 0x00007f3a1c7fe640 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/pytest_gpumem/sampling/host.py", line 88 in _poll
+  File "/usr/lib/python3.11/threading.py", line 975 in run
+  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap
+
+Current thread 0x00007f3a2e1b9740 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/pytest_gpumem/sampling/allocations.py", line 122 in _close
+  File "/venv/lib/python3.11/site-packages/pytest_gpumem/rankside/rank.py", line 301 in main
+  File "/venv/lib/python3.11/site-packages/_pytest/main.py", line 273 in wrap_session
+  File "<frozen runpy>", line 88 in _run_code
+'''
+
+
+def test_a_rank_stopped_while_finishing_the_plugins_own_work_is_said_in_one_line(tmp_path):
+    """The issue-36 noise: the failed rank was stopped while its allocation capture was being
+    written; its stack held only the plugin's frames, which say nothing about the user's job."""
+    from pytest_gpumem.launching.launch import _user_frames
+
+    assert _user_frames(FINISHING_CAPTURE) == ""
+    run = launch(nproc=1, pids={0: 10}, end="fail-fast", failed_at={0: 0.4}, stopped=frozenset({0}),
+                 returncodes={0: -15}, stacks={0: _user_frames(FINISHING_CAPTURE)})
+    outcomes = {0: RankResult("failed", "[call] E   AssertionError", "AssertionError")}
+    (found,) = problems(run, outcomes, ctx(tmp_path, fail_fast_grace=2.0))
+    assert found.splitlines()[-1] == ("rank 0 of 1 was still running 2 s after the first failure: stopped by "
+                                      "pytest-gpumem (SIGTERM)")
+    assert "pytest_gpumem" not in found
+
+
+def test_a_stopped_ranks_stack_in_the_users_code_keeps_only_the_users_frames():
+    from pytest_gpumem.launching.launch import _user_frames
+
+    dump = FINISHING_CAPTURE.replace(
+        '  File "/venv/lib/python3.11/site-packages/pytest_gpumem/sampling/allocations.py", line 122 in _close\n',
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 4120 in barrier\n'
+        '  File "/work/job/test_train.py", line 31 in test_train\n')
+    assert _user_frames(dump).splitlines() == [
+        "Current thread 0x00007f3a2e1b9740 (most recent call first):",
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 4120 in barrier',
+        '  File "/work/job/test_train.py", line 31 in test_train',
+    ]
+
+
+def test_a_simulated_process_is_named_by_the_rank_it_stood_for(tmp_path):
+    run = launch(nproc=2, pids={0: 10, 1: 11}, simulated=(3, 7), world_size=8, returncodes={1: 1},
+                 ended_at={1: 0.2})
+    outcomes = {0: RankResult("passed"), 1: RankResult("failed", "[call] E   KeyError", "KeyError: 'w'")}
+    (found,) = problems(run, outcomes, ctx(tmp_path))
+    assert found.splitlines()[0] == "rank 7 of 8 (simulated) failed: KeyError: 'w'"
