@@ -176,3 +176,71 @@ def test_a_simulated_ranks_error_shows_the_users_line_not_the_plugins_frames(pyt
     assert "dist.broadcast_object_list(config, src=dist.get_world_size() - 1)" in out
     assert "rank 0 of 2 (simulated) failed: " in out  # the rank it stood for, not "rank 0 of 1"
     assert "/pytest_gpumem/" not in out
+
+
+COMM_HOOKS = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def hand_back(kept, bucket):
+    """A comm hook: the bucket's gradients as they are; its state ``kept`` holds a copy of each (or None)."""
+    if kept is not None:
+        kept.append(bucket.buffer().clone())
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def train(kept):
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    net = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]))
+    net.register_comm_hook(kept, hand_back)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    for _ in range(3):
+        net(torch.ones(64, 1024)).sum().backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=[1, 2], device="cpu", simulate="on", max_ratio=1.5)
+def test_hook_keeping_nothing():
+    train(None)
+
+
+@pytest.mark.gpumem(nproc=[1, 2], device="cpu", simulate="on", max_ratio=1.5)
+def test_hook_keeping_every_bucket():
+    train([])
+'''
+
+
+@pytest.mark.torch
+def test_a_simulated_size_below_nproc1_because_its_comm_hook_did_not_run_fails_naming_the_hook(
+        pytester, launch_tag, tmp_path):
+    """The stand-in does not run a DDP comm hook (it cannot know what the hook sends). A hook that keeps
+    every bucket's 16 MiB holds them at nproc=1 (real), not in the simulated nproc=2, which then reads
+    below nproc=1 and would pass any ratio: that size fails, saying why and what to do, and the table
+    says the hook did not run. The same job with a hook that keeps nothing reads as nproc=1 and passes
+    (issue 36)."""
+    pytest.importorskip("torch")
+    pytester.makepyfile(test_hooks=COMM_HOOKS)
+    report = tmp_path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "warn",
+                                f"--gpumem-report={report}", f"--gpumem-markdown={tmp_path / 'summary.md'}")
+    sizes = {t["test"].split("::")[1]: {s["nproc"]: s for s in t["sizes"]}
+             for t in json.loads(report.read_text())["tests"]}
+    for name, by_size in sizes.items():
+        print(name, {n: round(s["gated_mib"], 2) for n, s in by_size.items()})
+    result.assert_outcomes(passed=1, failed=1)
+    assert [t for t, by_size in sizes.items() if any(s["checks"] and not all(c["ok"] for c in s["checks"])
+                                                     for s in by_size.values())] == ["test_hook_keeping_every_bucket"]
+    result.stdout.fnmatch_lines([
+        "gpumem: * MiB < nproc=1's * MiB: without its DDP comm hook 'hand_back' (not run in the simulated world, "
+        "its buffers not counted) no limit can gate this size (rank 0, nproc=2)",
+        "*rank 0 at nproc=2 (cpu, simulated world): peak * MiB < nproc=1's * MiB: without its DDP comm hook "
+        "'hand_back' *; run it for real (simulate='off' on enough GPUs) or leave it out of nproc"])
+    assert sizes["test_hook_keeping_every_bucket"][2]["uncounted"] == ["DDP comm hook 'hand_back'"]
+    assert "without its DDP comm hook 'hand_back'" in (tmp_path / "summary.md").read_text()

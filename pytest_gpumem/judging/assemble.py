@@ -96,6 +96,7 @@ def build(test: Run, verdict: Verdict | None, status: Status, *, cause: Cause | 
                                 for t, point in result.live_timeline),
             simulated=result.simulated,
             fake_gpu=result.fake_gpu,
+            uncounted=result.uncounted,
         ))
     if messages is None:
         messages = [c.text(verdict.digits) for c in verdict.failures] if verdict is not None else []

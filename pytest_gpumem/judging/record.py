@@ -29,7 +29,7 @@ STATUSES: tuple[Status, ...] = get_args(Status)
 Cause = Literal["limit", "crash", "baseline-missing", "baseline-error", "xpass-strict"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 FAILED: tuple[Status, ...] = ("failed", "xfailed")  # the statuses that carry a cause
-CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "schema1")
+CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "uncounted", "schema1")
 
 
 class ReportError(ValueError):
@@ -148,6 +148,7 @@ class SizeRecord:
     start: str = ""  # how the ranks were started: fork, exec, or "exec (why not fork)"
     simulated: tuple[int, ...] = ()  # a simulated world: the ranks measured (verdict.SizeResult.simulated)
     fake_gpu: str = ""  # the GPU model a fake GPU emulated ("": a real GPU, or host memory)
+    uncounted: tuple[str, ...] = ()  # what a simulated world did not run (verdict.SizeResult.uncounted)
 
     @property
     def failed(self) -> bool:
@@ -296,6 +297,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "predicted": None if s.prediction is None else dict(s.prediction),
         "simulated": list(s.simulated),
         "fake_gpu": s.fake_gpu,
+        "uncounted": list(s.uncounted),
         "allocated_ranks": _keyed(s.allocated_ranks,
                                   lambda a: {"allocated_mib": a.mib, "reserved_mib": a.reserved_mib}),
         "allocated_mib": s.allocated_mib,

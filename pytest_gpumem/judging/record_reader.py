@@ -228,7 +228,7 @@ class _Reader(_Fields):
             sites=self.per_rank(raw, "sites", where, self._sites),
             live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"),
             simulated=self._ranks(raw.get("simulated") or [], f"{where}.simulated"),
-            fake_gpu=self.text(raw, "fake_gpu", where, ""))
+            fake_gpu=self.text(raw, "fake_gpu", where, ""), uncounted=self.texts(raw, "uncounted", where))
 
     def _ranks(self, raw: Any, where: str) -> tuple[int, ...]:
         if not isinstance(raw, list) or not all(type(r) is int and r >= 0 for r in raw):

@@ -67,6 +67,9 @@ class SizeResult:
     # A fake GPU (rankside.fakegpu): the GPU model emulated, "" on a real GPU or on host memory. Its
     # sizes are simulated worlds too; its device figure is the allocator figure (there is no device).
     fake_gpu: str = ""
+    # A simulated world: what the job asked for that the stand-in did not run, its memory missing
+    # from the figure ("DDP comm hook 'keep_buckets'"); such a size reading below nproc=1 is not gated.
+    uncounted: tuple[str, ...] = ()
 
     @property
     def predicted(self) -> bool:
@@ -143,6 +146,7 @@ class BaselineRef:
 
 
 DIGITS = 1  # decimals of a MiB figure, unless a comparison needs more to show why it failed
+UNCOUNTED = "uncounted"  # a check that fails a simulated size its skipped comm hook left below nproc=1
 MOST_DIGITS = 7  # a MiB to the byte (1 B = 0.00000095 MiB)
 
 
@@ -182,7 +186,7 @@ def against_reference(measured_mib: float, reference_mib: float, tolerance: Tole
 class Check:
     """One limit at one world size; ``str()`` is the sentence a user reads."""
 
-    kind: str  # "max_mib" | "max_ratio" | "baseline" | "measured"
+    kind: str  # "max_mib" | "max_ratio" | "baseline" | "measured" | "uncounted"
     world_size: int
     rank_label: str
     device: str
@@ -222,6 +226,8 @@ class Check:
         digits = self.digits if digits is None else digits
         figure = ", allocated" if self.figure == ALLOCATED else ""
         where = f"({self.rank_label}{figure}, nproc={self.world_size})"
+        if self.kind == UNCOUNTED and self.measured_mib is not None:
+            return f"{mib(self.measured_mib, digits)} MiB < {self.describe(digits).split(';')[0]} {where}"
         if self.measured_mib is None or self.limit_mib is None:
             return f"{self.describe(digits)} {where}"
         what = {"max_mib": "max_mib", "max_ratio": "ratio limit", "baseline": "baseline + tolerance"}.get(
@@ -236,7 +242,7 @@ class Check:
         where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{figure}{basis})"
         if self.measured_mib is None:
             return f"{where}: {self.describe(digits)}"
-        relation = "<=" if self.ok else ">"
+        relation = "<" if self.kind == UNCOUNTED else "<=" if self.ok else ">"
         return f"{where}: peak {mib(self.measured_mib, digits)} MiB {relation} {self.describe(digits)}"
 
     def __str__(self) -> str:
@@ -422,6 +428,15 @@ def judge(
                     f" = {{limit}} MiB ({ratio})",
                     value, who, figure, reference,
                 )
+        if result.uncounted and n > 1 and one is not None and not one.simulated:
+            reference, value, figure = ratio_figures(spec, one, result)
+            if reference is not None and value is not None and value < reference:
+                skipped = ", ".join(result.uncounted)
+                check(UNCOUNTED, None, False,
+                      f"nproc=1's {{reference}} MiB: without its {skipped} (not run in the simulated world, its "
+                      "buffers not counted) no limit can gate this size; run it for real (simulate='off' on "
+                      "enough GPUs) or leave it out of nproc",
+                      value, result.read(spec.rank, figure)[0], figure, reference)
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
             _baseline_checks(spec, result, base, check, extra_notes)

@@ -102,6 +102,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         live_timeline=live,
         sites_notes=tuple(site_notes),
         fake_gpu=plan.fake_gpu or "",
+        uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,

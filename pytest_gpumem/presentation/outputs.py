@@ -95,6 +95,8 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
                          if size.predicted else "") + (f", **fake GPU** ({size.fake_gpu})" if size.fake_gpu else
                                                        ", **simulated world**" if size.simulated else "")
+            if size.uncounted:
+                predicted += f", **without its {', '.join(size.uncounted)}**"
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"

@@ -56,6 +56,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         for size in rec.sizes:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             predicted += f", fake {size.fake_gpu}" if size.fake_gpu else ", simulated" if size.simulated else ""
+            predicted += ", comm hook not run" if size.uncounted else ""
             gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])
             others = [(peak.mib, r) for r, peak in size.ranks.items() if r != size.gated_rank and peak.mib is not None]
             others_rss = bool(others) and _resident(size, [max(others)[1]])  # the rank "others max" shows

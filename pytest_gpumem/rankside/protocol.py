@@ -99,6 +99,7 @@ class ExitReport:
     # devices, and with history: sites, timeline, sites_problem, problems
     gpu_allocator: dict[str, Any] = field(default_factory=dict)
     simulation: list[str] = field(default_factory=list)  # a simulated rank: what its stand-in did (notes)
+    uncounted: list[str] = field(default_factory=list)  # a simulated rank: what it did not run (simulate.uncounted)
     alloc_startup: list[float] | None = None  # [live, peak] MiB of the start-up, where this rank measured it
     startup_files: dict[str, str] = field(default_factory=dict)  # rootdir files it imported -> SHA-256
 

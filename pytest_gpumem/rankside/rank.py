@@ -225,7 +225,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
         alloc_problem=tracker.problem, provenance=provenance, alloc_sites=tracker.sites,
         alloc_timeline=[[t, mib] for t, mib in tracker.timeline], sites_problem=tracker.sites_problem,
-        gpu_allocator=gpu_allocator, simulation=list(simulate.notes),
+        gpu_allocator=gpu_allocator, simulation=list(simulate.notes), uncounted=list(simulate.uncounted),
         alloc_startup=None if measured is None else list(measured),
         startup_files=_local_files() if measured is not None else {}, **_gpu_report(gpu_sampler)))
 

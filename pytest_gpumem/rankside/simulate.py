@@ -60,11 +60,16 @@ def world(env: Any = os.environ) -> World | None:
 
 
 notes: list[str] = []  # what the simulation did that the figure's reader should know, said once each
+# What the job asked for that the stand-in did not run, so its memory is missing from the figure (a
+# DDP comm hook's buffers): the parent does not gate a figure that reads below nproc=1 because of it.
+uncounted: list[str] = []
 
 
-def _note(text: str) -> None:
+def _note(text: str, skipped: str = "") -> None:
     if text not in notes:
         notes.append(text)
+    if skipped and skipped not in uncounted:
+        uncounted.append(skipped)
 
 
 def install(where: World) -> None:
@@ -121,13 +126,15 @@ def _patch_ddp(torch: ModuleType) -> None:
     @functools.wraps(register)
     def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
         if getattr(self, "_gpumem_simulated", False):
-            _note(f"DDP comm hook {getattr(hook, '__name__', hook)!r} not run in the simulated world "
-                  "(its own buffers are not counted)")
+            named = getattr(hook, "func", hook)  # a functools.partial: the function it wraps
+            name = f"DDP comm hook {getattr(named, '__name__', repr(named))!r}"
+            _note(f"{name} not run in the simulated world (its own buffers are not counted)", name)
             return
         register(self, state, hook)
 
     def builtin_hook(self: Any, comm_hook_type: Any) -> None:
-        _note(f"DDP built-in comm hook {comm_hook_type} not run in the simulated world")
+        name = f"DDP built-in comm hook {comm_hook_type}"
+        _note(f"{name} not run in the simulated world (its own buffers are not counted)", name)
 
     ddp.__init__ = __init__
     ddp.register_comm_hook = register_comm_hook

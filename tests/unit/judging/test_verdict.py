@@ -154,3 +154,19 @@ def test_a_value_just_above_its_limit_is_printed_with_the_digits_that_show_it():
     # a failure that reads apart at one decimal keeps one
     apart = judge(spec(nproc=1, max_mib=500), [result(1, 505.44)])
     assert apart.render().startswith("gpumem: 505.4 MiB > max_mib 500.0 MiB")
+
+
+def test_a_simulated_size_its_skipped_comm_hook_leaves_below_nproc1_fails_and_names_the_hook():
+    """Without the hook's buffers the size reads below nproc=1 and every limit would pass it blind;
+    at or above nproc=1 (a hook that keeps nothing), or with no hook skipped, it is judged as usual."""
+    from dataclasses import replace
+    s = spec(nproc=[1, 8], max_ratio=1.2)
+    hook = ("DDP comm hook 'keep'",)
+    low = replace(result(8, 4000), simulated=(0,), uncounted=hook)
+    v = judge(s, [result(1, 5000), low])
+    assert not v.passed and [c.kind for c in v.failures] == ["uncounted"]
+    assert v.render().startswith("gpumem: 4000.0 MiB < nproc=1's 5000.0 MiB: without its DDP comm hook 'keep' "
+                                 "(not run in the simulated world, its buffers not counted) no limit can gate "
+                                 "this size (rank 0, nproc=8)\n")
+    assert judge(s, [result(1, 5000), replace(low, peaks={0: Peak(5000.5, "x")})]).passed
+    assert judge(s, [result(1, 5000), replace(low, uncounted=())]).passed
