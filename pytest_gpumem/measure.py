@@ -171,32 +171,15 @@ def _writable(folder: Path) -> bool:
 
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
+    from . import session
     from .judging.assemble import build
     from .judging.record import report_document
     from .judging.verdict import judge
     from .launching import scaling
-    from .launching.floor_cache import FloorCache
-    from .launching.gpus import FakeGpus, GpuPlanner
-    from .launching.leases import default_lease_dir
-    from .launching.rank_setup import RankSetup
-    from .launching.runner import Runner
-    from .launching.startups import Startups
     from .presentation import outputs
-    from .rankside.fakegpu.models import CALIBRATION_FILE
     from .sampling.nvml import visible_gpus
 
-    interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
-    setup = RankSetup(rootdir=Path.cwd(), rank_pytest_args=_no_pytest, track_host=settings.track_host,
-                      sites=settings.sites, python_allocations=settings.python_allocations,
-                      gpu_sampler=settings.gpu_sampler, rank_env=settings.rank_env())
-    runner = Runner(
-        cwd=Path.cwd(), setup=setup,
-        gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
-        host_interval_s=interval, floor=settings.floor,
-        floor_cache=FloorCache(settings.floor_cache) if settings.floor_cache is not None else None,
-        startups=Startups(settings.host_startup, settings.startup_cache, Path.cwd()),
-        fake_gpus=FakeGpus(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE),
-    )
+    runner = session.build(settings, rootdir=Path.cwd(), cwd=Path.cwd(), rank_pytest_args=_no_pytest).runner
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)
     verdict = judge(spec, test.results) if test.results and not test.problems else None

@@ -225,46 +225,12 @@ class ParentSide:
     def machinery(self) -> tuple[Gate, Runner]:
         """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
         if self._machinery is None:
-            from .gate import Gate
-            from .judging.baseline import BaselineStore
-            from .launching.floor_cache import FloorCache
-            from .launching.gpus import FakeGpus, GpuPlanner
-            from .launching.launcher import LauncherOptions
-            from .launching.leases import default_lease_dir
-            from .launching.rank_setup import RankSetup
-            from .launching.runner import Runner
-            from .launching.startups import Startups
-            from .rankside.fakegpu.models import CALIBRATION_FILE
+            from . import session
 
-            resolved = self.settings
-            interval = resolved.interval_ms / 1000.0 if resolved.interval_ms else None
-            setup = RankSetup(
-                rootdir=Path(self.config.rootpath),
-                rank_pytest_args=self.rank_pytest_args,
-                track_host=resolved.track_host,
-                sites=resolved.sites,
-                gpu_history=resolved.refresh,  # a refresh stores the sites of GPU sizes too
-                python_allocations=resolved.python_allocations,
-                gpu_sampler=resolved.gpu_sampler,
-                rank_env=resolved.rank_env(),
-                snapshot=resolved.torch_snapshot is not None,
-                start=resolved.start,
-                start_refusal=self._fork_refusal(),
-            )
-            runner = Runner(
-                cwd=Path(self.config.invocation_params.dir),
-                setup=setup,
-                gpu_setup=GpuPlanner.lazy(resolved.lease_dir or default_lease_dir(), resolved.lease_wait, interval),
-                host_interval_s=interval,
-                snapshot_dir=resolved.torch_snapshot,
-                floor=resolved.floor,
-                floor_cache=FloorCache(resolved.floor_cache) if resolved.floor_cache is not None else None,
-                launcher_options=LauncherOptions(resolved.slurm_dir, resolved.srun_args, resolved.nnodes or None),
-                fail_fast_grace=resolved.fail_fast_grace,
-                startups=Startups(resolved.host_startup, resolved.startup_cache, Path(self.config.rootpath)),
-                fake_gpus=FakeGpus(resolved.fake_gpu_model, resolved.baselines / CALIBRATION_FILE),
-            )
-            self._machinery = (Gate(resolved, BaselineStore(resolved.baselines)), runner)
+            built = session.build(self.settings, rootdir=Path(self.config.rootpath),
+                                  cwd=Path(self.config.invocation_params.dir),
+                                  rank_pytest_args=self.rank_pytest_args, start_refusal=self._fork_refusal())
+            self._machinery = (built.gate, built.runner)
         return self._machinery
 
     def _fork_refusal(self) -> str | None:

@@ -21,11 +21,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def gpumem(*args: str, cwd: Path, tmp: Path, tag: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``gpumem ARGS`` in a fresh interpreter, with a private TMPDIR and every process tagged."""
+def gpumem(*args: str, cwd: Path, tmp: Path, tag: str, timeout: float = 300,
+           **given: str) -> subprocess.CompletedProcess:
+    """``gpumem ARGS`` in a fresh interpreter, with a private TMPDIR, every process tagged, and of the
+    GPUMEM_* variables only the caches and ``given``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_") or k in OWN_CACHES}
     env.update(TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-               **{TAG_ENV: tag})
+               **{TAG_ENV: tag}, **given)
     return subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -98,6 +100,23 @@ def test_a_failing_program_exits_1_with_its_output(tmp_path, private_tmp, launch
     assert done.returncode == 1, done.stdout + done.stderr
     assert "rank 1 of 2 failed (exit code 3); last lines of its output:" in done.stderr
     assert "loading shard 1" in done.stderr
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_measure_honours_the_fail_fast_grace_a_test_session_does(tmp_path, private_tmp, launch_tag):
+    """``gpumem measure`` builds its runner where ``pytest --gpumem`` does (session.build), so the
+    fail-fast grace is the session's: rank 1 fails at once, rank 0 ends 3 s later on its own, inside
+    a 30 s grace; at the 2 s default it is stopped (issue 37: measure used to ignore the setting)."""
+    (tmp_path / "train.py").write_text("import os, sys, time\n"
+                                       "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+                                       "time.sleep(3)\nprint('rank 0 saved its checkpoint', flush=True)\n")
+    graced = gpumem("measure", "--nproc", "2", "--", "train.py", cwd=tmp_path, tmp=private_tmp, tag=launch_tag,
+                    GPUMEM_FAIL_FAST_GRACE="30")
+    assert graced.returncode == 1, graced.stdout + graced.stderr
+    assert "rank 1 of 2 failed (exit code 3)" in graced.stderr
+    assert "stopped by pytest-gpumem" not in graced.stderr, graced.stderr
+    stopped = gpumem("measure", "--nproc", "2", "--", "train.py", cwd=tmp_path, tmp=private_tmp, tag=launch_tag)
+    assert "rank 0 of 2: stopped by pytest-gpumem after rank 1 failed" in stopped.stderr, stopped.stderr
     assert list(private_tmp.iterdir()) == []
 
 

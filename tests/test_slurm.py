@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from jobs import ONEFLOW_WORKLOAD, TORCH_DDP
@@ -131,6 +132,7 @@ FAULTS = '''
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -312,3 +314,19 @@ def test_train_net():
     result.assert_outcomes(passed=1)
     assert sorted(out.read_text().splitlines()) == [
         "0/1 n1 --config-file gpt2.py", "0/2 n1 --config-file gpt2.py", "1/2 n2 --config-file gpt2.py"]
+
+
+def test_measure_honours_the_srun_arguments_a_test_session_does(tmp_path, nothing_left):
+    """``gpumem measure --launcher srun`` builds its runner where ``pytest --gpumem`` does
+    (session.build): GPUMEM_SRUN_ARGS reach the job step (issue 37: measure used to drop them). The
+    program exits 3 unless srun exported the variable those arguments set."""
+    (tmp_path / "train.py").write_text("import os, sys\n"
+                                       "sys.exit(0 if os.environ.get('GPUMEM_SRUN_MARK') == 'given' else 3)\n")
+    env = {**os.environ, "GPUMEM_SRUN_ARGS": "--export=ALL,GPUMEM_SRUN_MARK=given", "GPUMEM_NNODES": "2",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "measure", "--nproc", "1,4", "--launcher", "srun",
+                           "--report", str(tmp_path / "measure.json"), "--", "train.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    nodes = json.loads((tmp_path / "measure.json").read_text())["tests"][0]["sizes"][1]["nodes"]
+    assert nodes == {"0": "n1", "1": "n1", "2": "n2", "3": "n2"}

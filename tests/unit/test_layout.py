@@ -8,7 +8,8 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
     presentation  renderers of the record
-    top level     plugin (pytest glue), gate (one test's outcome), cli, measure and bisect (commands;
+    top level     plugin (pytest glue), session (the machinery, built once from the settings), gate
+                  (one test's outcome), cli, measure and bisect (commands;
                   bisect is a package: its search, its commits, its worktree steps, the command)
 """
 
@@ -21,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
-TOP = {"plugin", "gate", "cli", "measure", "bisect", "calibrate"}
+TOP = {"plugin", "session", "gate", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
