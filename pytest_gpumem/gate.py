@@ -14,7 +14,7 @@ from .config.spec import Spec, Tolerance
 from .judging import growth as growth_mod
 from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
-from .judging.explain import config_provenance, provenance_diff, timeline_lines
+from .judging.explain import CONFIG_PREFIX, config_provenance, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
 from .launching.runner import SizeRun, TestRun
@@ -107,9 +107,10 @@ class Gate:
         changed: list[str] = []
         if stored:
             size, entry = next(iter(stored.items()))
-            changed = hardware_change(entry, filed.get(size, ""), test.provenance) + provenance_diff(
-                _with_legacy_model(entry, filed.get(size, "")), test.provenance)
-            changed = list(dict.fromkeys(changed))
+            declared = provenance_diff(_with_legacy_model(entry, filed.get(size, "")), test.provenance)
+            config = [line for line in declared if line.startswith(CONFIG_PREFIX)]  # the test's own choice
+            changed = list(dict.fromkeys(config + hardware_change(entry, filed.get(size, ""), test.provenance)
+                                         + declared))
         grown = site_growth(test, verdict, stored) if verdict is not None and not verdict.passed else None
         status = _status(test, verdict, problems)
         if status == "failed" and cause is None:
@@ -337,16 +338,17 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):"
                      if test.spec.rank != "all" else f"  peak sites that grew since {grown.against}:")
         sites.extend(f"    {line}" for line in grown.lines())
-    lines = [verdict.render(sites)]
     if not changed:
         driver = hardware_change(next(iter(stored.values())), "", test.provenance) if stored else []
         changed = driver
+    lead: list[str] = []  # what changed, right under the headline: often the whole answer
     if changed:
-        lines.append("  changed since the baseline (the machine first, then the declared config):")
-        lines.extend(f"    {line}" for line in changed)
-        if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed[:3]):
-            lines.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
-                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
+        lead.append(f"  changed since the baseline: {changed[0]}")
+        lead.extend(f"    {line}" for line in changed[1:])
+        if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed):
+            lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
+                        "compare the floor; if the job's own part did not move, refresh the baseline here)")
+    lines = [verdict.render(lead + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     failing = {check.world_size for check in verdict.failures}

@@ -240,8 +240,8 @@ def test_in_ci_a_baseline_recorded_on_another_cpu_model_is_compared_and_passes(p
     grown = run(pytester)
     grown.assert_outcomes(failed=1)
     lines = grown.stdout.lines
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    assert lines[heading + 1].strip().startswith("cpu_model: AMD EPYC 7763 64-Core Processor -> ")
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    assert lines[headline + 1].startswith("  changed since the baseline: cpu_model: AMD EPYC 7763 64-Core Processor -> ")
 
 
 def test_xfail_tests_store_their_baselines_and_are_checked_against_them(pytester, monkeypatch, tmp_path,

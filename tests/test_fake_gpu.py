@@ -121,10 +121,10 @@ def _near_the_h200(record: dict[str, Any], job: str, variant: str = "healthy") -
 
 
 def _first_change(result: pytest.RunResult) -> str:
-    """The line right after the failure text's "changed since the baseline" heading."""
+    """The first change the failure text names, on the line right after its headline."""
     lines = result.stdout.lines
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    return lines[heading + 1].strip()
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    return lines[headline + 1].split("changed since the baseline: ", 1)[1].strip()
 
 
 def _tier_line(pytester: pytest.Pytester, text: str) -> int:

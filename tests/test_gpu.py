@@ -363,8 +363,8 @@ def test_fsdp_at_1_2_8_holds_and_no_shard_fails_at_2_and_8_naming_the_config(pyt
     assert not all(c["ok"] for c in _size(rec, 2)["checks"])
     assert not all(c["ok"] for c in _size(rec, 8)["checks"])
     lines = switched.stdout.lines
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    assert lines[headline + 1] == "  changed since the baseline: config.sharding: FULL_SHARD -> NO_SHARD"
 
 
 # A DDP job (NCCL) whose inflating twin all-gathers the batch: at [1, 2, 8] on two GPUs the size 8 is

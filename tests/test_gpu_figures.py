@@ -131,7 +131,7 @@ def test_a_config_switched_to_no_shard_fails_at_nproc_2_naming_the_declared_chan
     assert [(c["kind"], c["figure"]) for c in failures] == [("baseline", "device"), ("baseline", "allocated")]
     assert all(c["ok"] for c in sizes[1]["checks"])  # one rank holds all the weights either way
     lines = switched.stdout.str().splitlines()
-    heading = next(i for i, line in enumerate(lines) if "changed since the baseline" in line)
-    assert lines[heading + 1].strip() == "config.sharding: FULL_SHARD -> NO_SHARD"
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    assert lines[headline + 1] == "  changed since the baseline: config.sharding: FULL_SHARD -> NO_SHARD"
     grew = next(i for i, line in enumerate(lines) if "peak sites that grew since the baseline" in line)
     assert lines[grew + 1].strip() == "+1000.0 MiB  test_job.py:7 train"

@@ -310,8 +310,9 @@ class Verdict:
         gated = "largest rank" if self.spec.rank == "all" else f"rank {self.spec.rank}"
         return f"{gated} peak, nproc " + " | ".join(parts)
 
-    def render(self, after_failures: list[str] | None = None) -> str:
-        """The failed checks first, then ``after_failures`` (the sites that grew), then the rest."""
+    def render(self, lead: list[str] | None = None) -> str:
+        """Top-down for a reviewer: the headline, then ``lead`` (what changed, the sites that grew),
+        then each failed limit with its numbers, then the rest."""
         lines = []
         failures = self.failures
         digits = self.digits
@@ -320,8 +321,8 @@ class Verdict:
             others = len(failures) - 1
             more = f"; {others} more limit{'s' if others > 1 else ''} exceeded" if others else ""
             lines.append(f"gpumem: {first.headline(digits)}{more}")
-            lines.extend(f"  {check.text(digits)}" for check in failures)
-        lines.extend(after_failures or [])
+        lines.extend(lead or [])
+        lines.extend(f"  {check.text(digits)}" for check in failures)
         advisories = self.advisories
         if advisories:
             lines.append("  predicted, not validated (shown, not failing: fit on fewer than 3 launched sizes):")
