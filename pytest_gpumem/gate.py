@@ -13,7 +13,7 @@ from .config.settings import Settings
 from .config.spec import Spec, Tolerance
 from .judging import growth as growth_mod
 from .judging.assemble import build
-from .judging.baseline import BaselineError, BaselineStore, Entry, architecture
+from .judging.baseline import BaselineError, BaselineStore, Entry
 from .judging.explain import CONFIG_PREFIX, config_provenance, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
@@ -78,12 +78,11 @@ class Gate:
         notes += [note for result in test.results for note in result.sites_notes]
         warnings: list[str] = []
         stored: dict[int, Entry] = {}
-        filed: dict[int, str] = {}  # world size -> the platform key its baseline is filed under
         changes: dict[int, tuple[Entry | None, Entry]] = {}
         verdict: Verdict | None = None
         if test.skip_reason is None and not problems and not self.settings.refresh:
             try:
-                stored, filed = self._baselines(test, notes, problems, warnings)
+                stored = self._baselines(test, notes, problems, warnings)
             except BaselineError as exc:
                 problems.append(f"baseline file unusable (left untouched): {exc}{self._next_step(test.test_id)}")
                 cause = "baseline-error"
@@ -106,11 +105,10 @@ class Gate:
             cause = cause or ("limit" if problems else None)
         changed: list[str] = []
         if stored:
-            size, entry = next(iter(stored.items()))
-            declared = provenance_diff(_with_legacy_model(entry, filed.get(size, "")), test.provenance)
+            entry = next(iter(stored.values()))
+            declared = provenance_diff(entry.provenance, test.provenance)
             config = [line for line in declared if line.startswith(CONFIG_PREFIX)]  # the test's own choice
-            changed = list(dict.fromkeys(config + hardware_change(entry, filed.get(size, ""), test.provenance)
-                                         + declared))
+            changed = list(dict.fromkeys(config + hardware_change(entry, test.provenance) + declared))
         grown = site_growth(test, verdict, stored) if verdict is not None and not verdict.passed else None
         status = _status(test, verdict, problems)
         if status == "failed" and cause is None:
@@ -135,11 +133,10 @@ class Gate:
         return outcome
 
     def _baselines(self, test: TestRun, notes: list[str], problems: list[str],
-                   warnings: list[str]) -> tuple[dict[int, Entry], dict[int, str]]:
+                   warnings: list[str]) -> dict[int, Entry]:
         """Stored entries comparable with this run (same GPU model; host: same architecture);
         missing ones (or ones of another metric) warn, or fail in CI."""
         stored: dict[int, Entry] = {}
-        filed: dict[int, str] = {}
         missing: list[int] = []
         other_metric: list[str] = []
         platform = ""
@@ -147,36 +144,30 @@ class Gate:
             if result.world_size not in test.spec.nproc or result.predicted:
                 continue
             platform = result.platform
-            found = self.store.find(test.test_id, platform, result.world_size)
+            entry = self.store.lookup(test.test_id, platform, result.world_size)
             measured = _gated_method(result, test.spec.rank)
-            if found is None:
+            if entry is None:
                 missing.append(result.world_size)
                 continue
-            entry, key = found
             if metric(entry.method) != metric(measured):  # never compared: the numbers mean different things
                 other_metric.append(f"nproc={result.world_size} holds {entry.method!r}, this run measured "
                                     f"{measured!r}")
                 continue
-            stored[result.world_size], filed[result.world_size] = entry, key
-        legacy = sorted({key for key in filed.values() if key != platform})
-        if legacy:
-            notes.append(f"compared with the baseline filed under {', '.join(legacy)} (before host baselines were "
-                         f"filed by architecture): host figures compare across CPU models of {platform}; "
-                         "a refresh files it under the new key")
+            stored[result.world_size] = entry
         where = f"{test.test_id} on {platform} in {self.store.file_for(test.test_id)}"
         refresh = f"`gpumem refresh {test.test_id}` and commit the file"
         if other_metric:
             self._unmatched(f"baseline of {where} was measured another way ({'; '.join(other_metric)}): "
                             f"not compared; record it again with {refresh}", problems, warnings, always_say=True)
         if missing:
-            elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform and p not in legacy]
+            elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
             if elsewhere:
                 notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
                              f"not compared on {platform}")
             self._unmatched(f"no baseline stored for {test.test_id} on {platform} at "
                             f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
                             f"record it with {refresh}", problems, warnings)
-        return stored, filed
+        return stored
 
     def _tolerance(self, test: TestRun, world_size: int, entry: Entry, notes: list[str]) -> Tolerance:
         """The tolerance this size's baseline comparison uses: the test's own, or for ``auto`` the
@@ -213,13 +204,13 @@ class Gate:
                 continue
             fake_platform = result.platform.removesuffix(SIMULATED_KEY) + FAKE_KEY
             try:
-                found = self.store.find(test.test_id, fake_platform, result.world_size)
+                found = self.store.lookup(test.test_id, fake_platform, result.world_size)
             except BaselineError:
                 return []  # the file's problem is reported where it is judged
             _, real, _ = result.read(test.spec.rank, "allocated")
-            if found is None or found[0].allocated_mib is None or real is None:
+            if found is None or found.allocated_mib is None or real is None:
                 continue
-            fake = found[0].allocated_mib
+            fake = found.allocated_mib
             parts.append(f"nproc={result.world_size} {fake:.2f} vs {real:.2f} MiB "
                          f"({fake - real:+.2f}, {100 * (fake - real) / real:+.2f}%)" if real else
                          f"nproc={result.world_size} {fake:.2f} vs {real:.2f} MiB")
@@ -339,7 +330,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
                      if test.spec.rank != "all" else f"  peak sites that grew since {grown.against}:")
         sites.extend(f"    {line}" for line in grown.lines())
     if not changed:
-        driver = hardware_change(next(iter(stored.values())), "", test.provenance) if stored else []
+        driver = hardware_change(next(iter(stored.values())), test.provenance) if stored else []
         changed = driver
     lead: list[str] = []  # what changed, right under the headline: often the whole answer
     if changed:
@@ -394,19 +385,10 @@ def _boxing_reference(audited: SizeRun, runs: list[SizeRun], entry: Entry | None
 _MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved
 
 
-def _with_legacy_model(entry: Entry, filed_under: str) -> dict[str, str]:
-    """The entry's provenance; a schema-1 host key (``cpu:AMD EPYC``) also names its CPU model."""
-    provenance = dict(entry.provenance)
-    device, _, name = filed_under.partition(":")
-    if device == "cpu" and name and architecture(filed_under) is None:
-        provenance.setdefault("cpu_model", name)
-    return provenance
-
-
-def hardware_change(entry: Entry, filed_under: str, provenance: dict[str, str]) -> list[str]:
+def hardware_change(entry: Entry, provenance: dict[str, str]) -> list[str]:
     """``cpu_model AMD EPYC -> Intel Xeon`` lines for the machine facts that differ from the
     baseline's: listed first, since a figure compared across machines moves with them."""
-    old = _with_legacy_model(entry, filed_under)
+    old = entry.provenance
     return [f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in _MACHINE_KEYS
             if key in old and old[key] != provenance.get(key)] + [
         f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in sorted(old)

@@ -2,8 +2,8 @@
 
 Fast: records are built through the record's own constructors, plus one real JSON report (torch
 DDP on CPU, a healthy test and an inflating one) captured with
-``pytest --gpumem --gpumem-report=tests/data/record_torch_ddp.json examples/test_torch_ddp.py``,
-and the same examples' report of schema 1 (before the typed record), which ``gpumem diff`` still reads.
+``pytest --gpumem --gpumem-report=tests/data/record_torch_ddp.json examples/test_torch_ddp.py``
+(re-recorded when the schema changes: no older schema is read).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pytest_gpumem.presentation import outputs, plots
 from pytest_gpumem.sampling import Peak
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
-REAL_SCHEMA1 = Path(__file__).parent / "data" / "record_torch_ddp_schema1.json"
 HEALTHY = "examples/test_torch_ddp.py::test_torch_ddp"
 INFLATED = "examples/test_torch_ddp.py::test_torch_ddp_inflated"
 
@@ -43,7 +42,7 @@ def size(nproc: int, gated: float | None, baseline: float | None = None, *, rati
 
 
 def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None = None,
-        tolerance: str = "5%+32MiB", rank: int | str = 0, max_mib: float | None = None) -> TestRecord:
+        tolerance: str = "max(5%, 32MiB)", rank: int | str = 0, max_mib: float | None = None) -> TestRecord:
     """``status`` as pytest says it, a failure with its cause: ``failed/limit``, ``xfailed/limit``, ``failed/crash``."""
     status, _, cause = status.partition("/")
     return TestRecord(test=test, status=status, nproc=tuple(s.nproc for s in sizes) or (2,),
@@ -281,12 +280,12 @@ def test_compare_tolerance_is_the_tests_own_unless_overridden():
     old, new = ([rec("t::a", "passed", size(1, 100.0), tolerance="1%")],
                 [rec("t::a", "passed", size(1, 110.0), tolerance="1%")])
     assert report_diff.diff_reports(old, new).rows[0].kind == "regression"          # 1% of 100 = 1 MiB
-    assert report_diff.diff_reports(old, new, "5%+32MiB").rows[0].kind == "unchanged"  # 32 MiB wins
+    assert report_diff.diff_reports(old, new, "max(5%, 32MiB)").rows[0].kind == "unchanged"  # 32 MiB wins
     assert report_diff.diff_reports(old, new, "5%").rows[0].kind == "regression"
 
 
 def write_report(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text(json.dumps({"schema": 2, "tests": records}))
+    path.write_text(json.dumps({"schema": json.loads(REAL.read_text())["schema"], "tests": records}))
     return path
 
 
@@ -313,7 +312,7 @@ def reports(tmp_path) -> dict[str, Path]:
 def test_diff_cli_exit_codes(reports, capsys, tmp_path):
     assert cli.main(["diff", str(reports["real"]), str(reports["real"])]) == 0
     out = capsys.readouterr().out
-    assert "gpumem diff: 4 unchanged" in out and "(max(2%, 8MiB))" in out  # the examples' own tolerance
+    assert "gpumem diff: 4 unchanged" in out and "(max(2%, 16MiB))" in out  # the examples' own tolerance
 
     md = tmp_path / "out" / "diff.md"
     assert cli.main(["diff", str(reports["real"]), str(reports["inflated"]), "--markdown", str(md),
@@ -331,7 +330,7 @@ def test_diff_cli_exit_codes(reports, capsys, tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "missing.json: cannot read: No such file or directory"),
     ("not_json", "not.json: not JSON: "),
-    ("schema", "schema.json: schema: expected 1 to 4 (a pytest --gpumem-report file), got 7"),
+    ("schema", "schema.json: schema: expected 4 (a pytest --gpumem-report file of this pytest-gpumem), got 7"),
     ("bad_field", "bad_field.json: tests[1].sizes[0].gated_mib: expected a finite number or null, got 'lots'"),
 ])
 def test_diff_cli_bad_input_names_the_file(reports, capsys, case, message):
@@ -353,7 +352,7 @@ def test_diff_as_a_command(reports):
     regressed = run(reports["real"], reports["inflated"])
     assert regressed.returncode == 1 and "1 regression" in regressed.stdout
     broken = run(reports["schema"], reports["real"])
-    assert broken.returncode == 2 and "schema.json: schema: expected 1 to 4" in broken.stderr
+    assert broken.returncode == 2 and "schema.json: schema: expected 4" in broken.stderr
 
 
 # ---------------------------------------------------------------------------------------------- peak sites

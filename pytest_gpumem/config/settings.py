@@ -94,7 +94,7 @@ def _positive_int_or_zero(text: str) -> int:
 
 
 def _auto_on_off(text: str) -> str:
-    """auto, on or off; the older spellings (1/0, true/false, yes/no) still mean on/off."""
+    """auto, on or off; 1/0, true/false and yes/no (as environment variables are often set) mean on/off."""
     lowered = text.strip().lower()
     if lowered == "auto":
         return "auto"

@@ -111,18 +111,15 @@ TOLERANCE_ACCEPTED = ('"auto" or a string like "5%", "256MiB" or "max(5%, 256MiB
 
 
 def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
-    """Parse ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"max(5%, 256MiB)"``; the older spellings of the
-    last, ``"5%+256MiB"``, ``"5%,256MiB"`` and a list, mean the same."""
+    """Parse ``"auto"``, ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"max(5%, 256MiB)"``."""
     accepted = TOLERANCE_ACCEPTED
     if isinstance(value, Tolerance):
         return value
     if isinstance(value, str) and value.strip() == "auto":
         return Tolerance(auto=True)
-    if isinstance(value, (list, tuple)):
-        items = [str(v) for v in value]
-    elif isinstance(value, str):
+    if isinstance(value, str):
         inside = _TOL_MAX.match(value)
-        items = re.split(r"[+,]", inside.group(1) if inside else value)
+        items = inside.group(1).split(",") if inside else [value]
     else:
         raise SpecError(f"{what}={value!r} is not accepted: expected {accepted}")
     percent: float | None = None

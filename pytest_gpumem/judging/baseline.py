@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..sampling.identity import SIMULATED_KEY
-
 SCHEMA_VERSION = 2  # 2: optional allocator figures and peak sites per entry; host platforms by architecture
-READ_SCHEMAS = (1, 2)
+READ_SCHEMAS = (2,)
 MAX_MIB = 2.0**40
 LOCK_NAME = ".gpumem.lock"
 LOCK_TIMEOUT_S = 300.0
@@ -33,8 +31,7 @@ STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
 _OPTIONAL_KEYS = ("allocated_mib", "reserved_mib", "sites")  # schema 2
 _SITE_KEYS = ("where", "function", "detail", "mib", "count", "internal")
-# CPU architectures, as platform.machine() names them: a host platform key since schema 2
-# (``cpu:x86_64``); a key naming anything else is a CPU model, the key of schema 1.
+# CPU architectures, as platform.machine() names them: a host platform key is ``cpu:x86_64``.
 ARCHITECTURES = frozenset({"x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64", "i686", "armv7l"})
 _INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
@@ -171,7 +168,7 @@ def _check_sites(file: Path, where: str, sites: Any) -> None:
             raise _bad(file, f"{where}[{i}].internal", _got(site["internal"]), "true or false")
 
 
-_PLATFORM_RULE = "'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')"
+_PLATFORM_RULE = "'gpu:<GPU name>' or 'cpu:<architecture>'"
 
 
 def _platform_device(key: Any) -> str | None:
@@ -306,26 +303,9 @@ def _write_atomic(file: Path, data: bytes) -> None:
 
 
 def architecture(platform: str) -> str | None:
-    """``x86_64`` of ``cpu:x86_64``; None for a GPU key or a schema-1 CPU-model key."""
+    """``x86_64`` of ``cpu:x86_64``; None for a GPU key."""
     device, _, name = platform.partition(":")
     return name if device == "cpu" and name in ARCHITECTURES else None
-
-
-def _legacy_keys(plats: Mapping[str, Any], platform: str) -> list[str]:
-    """Schema-1 keys (``cpu:<CPU model>``) of the same architecture as ``platform`` (``cpu:<arch>``)."""
-    arch = architecture(platform)
-    if arch is None:
-        return []
-    found = []
-    for key, sizes in plats.items():
-        if (not key.startswith("cpu:") or architecture(key) is not None or key.endswith(SIMULATED_KEY)
-                or not isinstance(sizes, Mapping)):
-            continue
-        archs = {str(e.get("provenance", {}).get("platform", "")).rpartition("-")[2]
-                 for e in sizes.values() if isinstance(e, Mapping)}
-        if archs <= {arch, ""}:  # an entry that names no platform is taken as this one
-            found.append(key)
-    return found
 
 
 class BaselineStore:
@@ -352,25 +332,6 @@ class BaselineStore:
         loaded = _load(file)
         raw = loaded[1]["tests"].get(name, {}).get(platform, {}).get(str(world_size)) if loaded else None
         return None if raw is None else _from_json(raw)
-
-    def find(self, test_id: str, platform: str, world_size: int) -> tuple[Entry, str] | None:
-        """The comparable stored entry and the platform key it is filed under.
-
-        Host figures compare across CPU models of one architecture: ``cpu:x86_64`` finds its own
-        entry, else one filed by a schema-1 file under a CPU model (``cpu:AMD EPYC``) whose
-        provenance says it ran on the same architecture.
-        """
-        file, name = self._split(test_id)
-        loaded = _load(file)
-        plats = loaded[1]["tests"].get(name, {}) if loaded else {}
-        raw = plats.get(platform, {}).get(str(world_size))
-        if raw is not None:
-            return _from_json(raw), platform
-        for key in sorted(_legacy_keys(plats, platform)):
-            raw = plats[key].get(str(world_size))
-            if raw is not None:
-                return _from_json(raw), key
-        return None
 
     def platforms(self, test_id: str) -> list[str]:
         """Platforms stored for the test, so a miss can say where a baseline does exist."""
@@ -413,11 +374,6 @@ class BaselineStore:
                 changes: dict[int, tuple[Entry | None, Entry]] = {}
                 for size, raw in list(new.items()):
                     old = sizes.get(size)
-                    for key in sorted(_legacy_keys(plats, platform)):  # a refresh files it under the new key
-                        legacy = plats[key].pop(size, None)
-                        old = old if old is not None or legacy is None else legacy
-                        if not plats[key]:
-                            del plats[key]
                     if old is not None and merge is not None:
                         raw = new[size] = _to_json(merge(_from_json(old), _from_json(raw)))
                         _check_entry(file, f"tests[{name!r}][{platform!r}][{size!r}]", raw, int(size), device)

@@ -29,7 +29,7 @@ STATUSES: tuple[Status, ...] = get_args(Status)
 Cause = Literal["limit", "crash", "baseline-missing", "baseline-error", "xpass-strict"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 FAILED: tuple[Status, ...] = ("failed", "xfailed")  # the statuses that carry a cause
-CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "uncounted", "schema1")
+CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "uncounted")
 
 
 class ReportError(ValueError):
@@ -273,12 +273,12 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "gated_rank": s.gated_rank,
         "gated_label": s.gated_label,
         "gated_mib": s.gated_mib,
-        # Side by side as in schema 1, so readers of either schema find a rank's figure the same way.
+        # Side by side: a rank's figure, and how it was measured.
         "ranks": _keyed(s.ranks, lambda p: p.mib),
         "methods": _keyed(s.ranks, lambda p: p.method),
         "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
                     "text": c.text, "figure": c.figure, "advisory": c.advisory} for c in s.checks],
-        "failed": s.failed,  # derived from the checks; kept for readers of schema 1
+        "failed": s.failed,  # derived from the checks: one flag for a script reading the report
         "ratio": s.ratio,
         "ratio_figure": s.ratio_figure,
         "baseline_mib": s.baseline_mib,

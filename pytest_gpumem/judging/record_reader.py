@@ -1,8 +1,6 @@
 """Records read back from JSON: a ``--gpumem-report`` file, or the record a worker sends the xdist
-controller. Every bad field is named (file, field, what is accepted), all of them at once.
-
-Reports of schemas 1 to 3 (written before this schema; never released) are read through
-:mod:`.record_migration`, so ``gpumem diff`` and the tests' recorded reports still read.
+controller. Every bad field is named (file, field, what is accepted), all of them at once. Only
+today's schema is read: no earlier one was released.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from typing import Any, Callable, Mapping, TypeVar, cast
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
 from ..sampling import Peak
-from . import record_migration as migration
 from .record import (
     CAUSES,
     CHECK_KINDS,
@@ -169,7 +166,7 @@ class _Reader(_Fields):
             points.append((float(point[0]), values))
         return tuple(points)
 
-    def size(self, raw: Any, where: str, schema: int) -> SizeRecord | None:
+    def size(self, raw: Any, where: str) -> SizeRecord | None:
         raw = self.obj(raw, where)
         if not raw:
             return None
@@ -193,21 +190,17 @@ class _Reader(_Fields):
         mibs = self.per_rank(raw, "ranks", where, lambda v, w: None if v is None else self.mib(v, w))
         methods = self.per_rank(raw, "methods", where, self.string)
         ranks = {r: Peak(mibs.get(r), methods.get(r, "")) for r in sorted(set(mibs) | set(methods))}
-        if schema == 1:
-            gated_rank, checks = migration.schema1_checks(raw, gated_mib, self.flag(raw, "failed", where))
-            label = str(raw.get("gated_rank") or "")
-        else:
-            gated_rank = raw.get("gated_rank")
-            if gated_rank is not None and not (isinstance(gated_rank, int) and not isinstance(gated_rank, bool)
-                                               and gated_rank >= 0):
-                self.bad(f"{where}.gated_rank", "a rank number or null", gated_rank)
-                gated_rank = None
-            label = self.text(raw, "gated_label", where, "")
-            checks_raw = raw.get("checks") or []
-            if not isinstance(checks_raw, list):
-                self.bad(f"{where}.checks", "a list", checks_raw)
-                checks_raw = []
-            checks = tuple(self.check(c, f"{where}.checks[{j}]") for j, c in enumerate(checks_raw))
+        gated_rank = raw.get("gated_rank")
+        if gated_rank is not None and not (isinstance(gated_rank, int) and not isinstance(gated_rank, bool)
+                                           and gated_rank >= 0):
+            self.bad(f"{where}.gated_rank", "a rank number or null", gated_rank)
+            gated_rank = None
+        label = self.text(raw, "gated_label", where, "")
+        checks_raw = raw.get("checks") or []
+        if not isinstance(checks_raw, list):
+            self.bad(f"{where}.checks", "a list", checks_raw)
+            checks_raw = []
+        checks = tuple(self.check(c, f"{where}.checks[{j}]") for j, c in enumerate(checks_raw))
         imbalance = self.number(raw, "imbalance", where)
         return SizeRecord(
             nproc=nproc, device=self.text(raw, "device", where, ""), gated_rank=gated_rank, gated_label=label,
@@ -251,7 +244,7 @@ class _Reader(_Fields):
     def _optional_mib(self, raw: Any, where: str) -> float | None:
         return None if raw is None else self.mib(raw, where)
 
-    def record(self, raw: Any, where: str, schema: int) -> TestRecord | None:
+    def record(self, raw: Any, where: str) -> TestRecord | None:
         if not isinstance(raw, dict):
             self.bad(where, "an object", raw)
             return None
@@ -260,11 +253,10 @@ class _Reader(_Fields):
             self.bad(f"{where}.test", "a test id string", test)
             test = ""
         word = raw.get("status")
-        accepted = STATUSES if schema >= 4 else tuple(migration.OLD_STATUSES)
-        valid = word in accepted
+        valid = word in STATUSES
         if not valid:
-            self.bad(f"{where}.status", f"one of {', '.join(accepted)}", word)
-            word = "failed" if schema >= 4 else "ERROR"
+            self.bad(f"{where}.status", f"one of {', '.join(STATUSES)}", word)
+            word = "failed"
         messages = tuple(str(m) for m in raw.get("messages") or [])
         nproc = raw.get("nproc") or []
         if not (isinstance(nproc, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in nproc)):
@@ -276,7 +268,7 @@ class _Reader(_Fields):
             self.bad(f"{where}.sizes", "a list", sizes_raw)
             sizes_raw = []
         sizes = tuple(s for j, item in enumerate(sizes_raw)
-                      if (s := self.size(item, f"{where}.sizes[{j}]", schema)) is not None)
+                      if (s := self.size(item, f"{where}.sizes[{j}]")) is not None)
         provenance = raw.get("provenance") or {}
         if not isinstance(provenance, dict):
             self.bad(f"{where}.provenance", "an object", provenance)
@@ -306,18 +298,15 @@ class _Reader(_Fields):
                 self.bad(f"{where}.grown_sites[{j}]", "{site, old_mib, new_mib[, called_from, chains]}", item)
         status: Status
         cause: Cause | None
-        if schema >= 4:
-            status, cause = cast(Status, word), raw.get("cause")  # one of STATUSES, checked above
-            if not valid:
-                cause = "crash"
-            elif status in FAILED and cause not in CAUSES:
-                self.bad(f"{where}.cause", f"one of {', '.join(CAUSES)} (the status is {status})", cause)
-                cause = "crash"
-            elif status not in FAILED and cause is not None:
-                self.bad(f"{where}.cause", f"null (the status is {status})", cause)
-                cause = None
-        else:
-            status, cause = migration.old_status(str(word), messages, sizes)
+        status, cause = cast(Status, word), raw.get("cause")  # one of STATUSES, checked above
+        if not valid:
+            cause = "crash"
+        elif status in FAILED and cause not in CAUSES:
+            self.bad(f"{where}.cause", f"one of {', '.join(CAUSES)} (the status is {status})", cause)
+            cause = "crash"
+        elif status not in FAILED and cause is not None:
+            self.bad(f"{where}.cause", f"null (the status is {status})", cause)
+            cause = None
         return TestRecord(
             test=test, status=status, nproc=tuple(nproc), launcher=self.text(raw, "launcher", where, "direct"),
             limits=limits, sizes=sizes, provenance={str(k): str(v) for k, v in provenance.items()},
@@ -327,10 +316,10 @@ class _Reader(_Fields):
             sites_summary=self.text(raw, "sites_summary", where, ""), cause=cause)
 
 
-def read_record(raw: Any, where: str = "record", schema: int = SCHEMA) -> TestRecord:
-    """The record of :meth:`TestRecord.to_json` (or of an older schema's report); ReportError names every bad field."""
+def read_record(raw: Any, where: str = "record") -> TestRecord:
+    """The record of :meth:`TestRecord.to_json`; ReportError names every bad field."""
     reader = _Reader()
-    record = reader.record(raw, where, schema)
+    record = reader.record(raw, where)
     if reader.problems:
         problems = reader.problems
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -340,19 +329,20 @@ def read_record(raw: Any, where: str = "record", schema: int = SCHEMA) -> TestRe
 
 
 def parse_report(doc: Any) -> list[TestRecord]:
-    """The records of a ``--gpumem-report`` document (schema 1 to 4); ReportError lists the problems."""
+    """The records of a ``--gpumem-report`` document (today's schema); ReportError lists the problems."""
     if not isinstance(doc, dict):
         raise ReportError(f"expected a JSON object with 'schema' and 'tests', got {type(doc).__name__}")
     schema = doc.get("schema")
-    if not isinstance(schema, int) or isinstance(schema, bool) or not 1 <= schema <= SCHEMA:
-        raise ReportError(f"schema: expected 1 to {SCHEMA} (a pytest --gpumem-report file), got {schema!r}")
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA:
+        raise ReportError(f"schema: expected {SCHEMA} (a pytest --gpumem-report file of this pytest-gpumem), "
+                          f"got {schema!r}")
     tests = doc.get("tests")
     if not isinstance(tests, list):
         raise ReportError(f"tests: expected a list of test records, got {type(tests).__name__}")
     records, problems = [], []
     for i, raw in enumerate(tests):
         try:
-            records.append(read_record(raw, f"tests[{i}]", schema))
+            records.append(read_record(raw, f"tests[{i}]"))
         except ReportError as exc:
             problems.append(str(exc))
     seen: set[str] = set()

@@ -80,8 +80,8 @@ def test_two_positionals_refused():
 
 @pytest.mark.parametrize(
     "text, percent, mib",
-    [("5%", 5.0, None), ("256MiB", None, 256.0), ("5%+256MiB", 5.0, 256.0), ("1GiB", None, 1024.0),
-     (["2%", "8MiB"], 2.0, 8.0)],
+    [("5%", 5.0, None), ("256MiB", None, 256.0), ("max(5%, 256MiB)", 5.0, 256.0), ("1GiB", None, 1024.0),
+     ("max(2%, 8MiB)", 2.0, 8.0)],
 )
 def test_tolerance_forms(text, percent, mib):
     assert parse_tolerance(text) == Tolerance(percent=percent, mib=mib)

@@ -123,7 +123,7 @@ def test_update_touches_only_its_test_platform_and_sizes(store: BaselineStore) -
     hand: dict[str, Any] = {"device": "gpu", "gated_mib": 5098, "method": "accounting", "rank": "all",
             "ranks": {"3": 5000.25, "0": 5098}, "provenance": {"z": "last", "a": "first", "date": "2022-01-01"}}
     doc: dict[str, Any] = {"tests": {"test_a[2]": {GPU: {"8": hand, "1": dict(hand, ranks={"0": 1.5})}},
-                     "test_b": {GPU: {"8": hand}}}, "schema": 1}
+                     "test_b": {GPU: {"8": hand}}}, "schema": 2}
     file.write_text(json.dumps(doc))  # hand-written: other order, ints, unrounded floats
     other = store.file_for("examples/other.py::t")
     store.update("examples/other.py::t", CPU, {1: entry(1, 1)})
@@ -173,7 +173,7 @@ def test_reads_never_write(tmp_path: Path, store: BaselineStore) -> None:
 def _good_doc() -> dict[str, Any]:
     e = {"device": "cpu", "gated_mib": 512.3, "method": "high-water mark", "provenance": {"date": "2026-05-09"},
          "rank": 0, "ranks": {"0": 512.3, "1": 511.0}}
-    return {"schema": 1, "tests": {"test_a[2]": {CPU: {"2": e}}}}
+    return {"schema": 2, "tests": {"test_a[2]": {CPU: {"2": e}}}}
 
 
 def _entry_text(change: Callable[[dict[str, Any]], None]) -> str:
@@ -203,29 +203,31 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                        "line 1 column 1: Expecting value; expected JSON as pytest-gpumem writes it"),
     "not-utf8": (GOOD.encode().replace(b"high", b"h\xffgh"), "byte 190: not UTF-8; expected a UTF-8 JSON file"),
     "top-level-array": ("[]", "(top level): got an array; expected an object with 'schema' and 'tests'"),
-    "schema-newer": (GOOD.replace('"schema": 1', '"schema": 3'), "schema: got 3, which this pytest-gpumem cannot"
-                     " read; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
-    "schema-missing": (GOOD.replace('"schema": 1,', ""),
-                       "schema: missing; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
-    "schema-string": (GOOD.replace('"schema": 1', '"schema": "1"'), "schema: got the string '1', which this"
-                      " pytest-gpumem cannot read; expected 1 or 2 (the baseline schemas this pytest-gpumem reads)"),
-    "tests-missing": ('{"schema": 1}', "tests: missing; expected all of schema, tests"),
-    "unknown-top-key": (GOOD.replace('"schema": 1', '"schema": 1, "notes": "x"'),
+    "schema-newer": (GOOD.replace('"schema": 2', '"schema": 3'), "schema: got 3, which this pytest-gpumem cannot"
+                     " read; expected 2 (the baseline schemas this pytest-gpumem reads)"),
+    "schema-never-released": (GOOD.replace('"schema": 2', '"schema": 1'), "schema: got 1, which this pytest-gpumem"
+                              " cannot read; expected 2 (the baseline schemas this pytest-gpumem reads)"),
+    "schema-missing": (GOOD.replace('"schema": 2,', ""),
+                       "schema: missing; expected 2 (the baseline schemas this pytest-gpumem reads)"),
+    "schema-string": (GOOD.replace('"schema": 2', '"schema": "2"'), "schema: got the string '2', which this"
+                      " pytest-gpumem cannot read; expected 2 (the baseline schemas this pytest-gpumem reads)"),
+    "tests-missing": ('{"schema": 2}', "tests: missing; expected all of schema, tests"),
+    "unknown-top-key": (GOOD.replace('"schema": 2', '"schema": 2, "notes": "x"'),
                         "(top level): unknown key(s) 'notes'; expected only 'schema', 'tests'"),
-    "unknown-top-keys": (GOOD.replace('"schema": 1', '"schema": 1, "notes": "x", "a": 1'),
+    "unknown-top-keys": (GOOD.replace('"schema": 2', '"schema": 2, "notes": "x", "a": 1'),
                          "(top level): unknown key(s) 'a', 'notes'; expected only 'schema', 'tests'"),
-    "tests-array": ('{"schema": 1, "tests": []}', "tests: got an array; expected an object of test name -> platforms"),
-    "platforms-array": ('{"schema": 1, "tests": {"test_a[2]": []}}', "tests['test_a[2]']: got an array; expected an"
+    "tests-array": ('{"schema": 2, "tests": []}', "tests: got an array; expected an object of test name -> platforms"),
+    "platforms-array": ('{"schema": 2, "tests": {"test_a[2]": []}}', "tests['test_a[2]']: got an array; expected an"
                         " object of platform ('gpu:<GPU name>' or 'cpu:<architecture>'"
-                        " (schema 1: 'cpu:<CPU model>')) -> sizes"),
+                        ") -> sizes"),
     "platform-key": (GOOD.replace(CPU, "tpu:v4"),
                      "tests['test_a[2]']['tpu:v4']: not a platform key;"
-                     " expected 'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')"),
-    "sizes-array": (json.dumps({"schema": 1, "tests": {"test_a[2]": {CPU: []}}}),
+                     " expected 'gpu:<GPU name>' or 'cpu:<architecture>'"),
+    "sizes-array": (json.dumps({"schema": 2, "tests": {"test_a[2]": {CPU: []}}}),
                     f"tests['test_a[2]'][{CPU!r}]: got an array; expected an object of world size -> entry"),
     "world-size-zero": (GOOD.replace('"2": {', '"0": {'), f"tests['test_a[2]'][{CPU!r}]['0']: not a world size;"
                         " expected a positive integer key like '2'"),
-    "entry-number": (json.dumps({"schema": 1, "tests": {"test_a[2]": {CPU: {"2": 512.3}}}}),
+    "entry-number": (json.dumps({"schema": 2, "tests": {"test_a[2]": {CPU: {"2": 512.3}}}}),
                      f"{FIELD}: got 512.3; expected an object with device, gated_mib, method, provenance, rank, ranks"
                      " (and optionally allocated_mib, reserved_mib, sites)"),
     "unknown-entry-key": (_entry_text(lambda e: e.update(peak=1)), f"{FIELD}: unknown key(s) 'peak'; expected only"
@@ -234,7 +236,7 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                           " expected all of device, gated_mib, method, provenance, rank, ranks"),
     "duplicate-key": (GOOD.replace('"rank": 0,', '"rank": 0, "rank": 1,'), f"{FIELD}['rank']: given more than once"
                       " in one object; expected each key once (was a merge conflict resolved by keeping both sides?)"),
-    "duplicate-top-key": (GOOD.replace('"schema": 1,', '"schema": 1, "schema": 1,'), "['schema']: given more than"
+    "duplicate-top-key": (GOOD.replace('"schema": 2,', '"schema": 2, "schema": 2,'), "['schema']: given more than"
                           " once in one object; expected each key once (was a merge conflict resolved by keeping both"
                           " sides?)"),
     "device-mismatch": (_entry_text(lambda e: e.update(device="gpu")),
@@ -287,7 +289,7 @@ def test_bad_file_is_named_and_never_overwritten(store: BaselineStore, case: str
 def test_a_file_nested_too_deep_for_the_parser_is_named(store: BaselineStore) -> None:
     file = store.file_for(TEST)
     file.parent.mkdir(parents=True)
-    file.write_text('{"schema": 1, "tests": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    file.write_text('{"schema": 2, "tests": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(BaselineError) as info:
         store.lookup(TEST, CPU, 2)
     message = str(info.value)  # the parser's own words in the middle
@@ -327,7 +329,7 @@ def test_update_refuses_entries_it_could_not_read_back(store: BaselineStore, bad
         with pytest.raises(BaselineError) as info:
             store.update(TEST, platform, {2: entry()})
         assert str(info.value) == (f"{file}: tests['test_a[2]'][{platform!r}]: not a platform key;"
-                                   " expected 'gpu:<GPU name>' or 'cpu:<architecture>' (schema 1: 'cpu:<CPU model>')")
+                                   " expected 'gpu:<GPU name>' or 'cpu:<architecture>'")
     assert not file.exists()
 
 
@@ -567,39 +569,6 @@ def test_platform_key(store: BaselineStore) -> None:
 
 # --- Schema 2: host figures by architecture, allocator figures, sites ---------------------------------
 
-LEGACY = "cpu:AMD EPYC"
-
-
-def test_a_schema_1_file_keyed_by_cpu_model_is_found_on_any_cpu_of_its_architecture(store: BaselineStore) -> None:
-    """A baseline recorded on an AMD EPYC gates an Intel Xeon CI runner: no silent 'not compared'."""
-    file = store.file_for(TEST)
-    file.parent.mkdir(parents=True)
-    old = baseline._to_json(entry(301.9, provenance={"platform": "Linux-x86_64", "date": "2026-11-30"}))
-    arm = baseline._to_json(entry(290.0, provenance={"platform": "Linux-aarch64"}))
-    file.write_text(json.dumps({"schema": 1, "tests": {"test_a[2]": {LEGACY: {"2": old}, "cpu:Neoverse": {"2": arm}}}}))
-    hit = store.find(TEST, "cpu:x86_64", 2)
-    assert hit is not None and hit[1] == LEGACY and hit[0].gated_mib == 301.9
-    assert store.find(TEST, "cpu:aarch64", 2)[1] == "cpu:Neoverse"  # type: ignore[index]
-    assert store.find(TEST, "cpu:x86_64", 1) is None and store.find(TEST, GPU, 2) is None
-    assert store.lookup(TEST, "cpu:x86_64", 2) is None  # lookup stays exact
-
-
-def test_a_refresh_files_the_entry_under_the_architecture_and_retires_the_old_key(store: BaselineStore) -> None:
-    file = store.file_for(TEST)
-    file.parent.mkdir(parents=True)
-    keep = baseline._to_json(entry(100.0, world_size=4, provenance={"platform": "Linux-x86_64"}))
-    old = baseline._to_json(entry(301.9, provenance={"platform": "Linux-x86_64"}))
-    other = {"test_b": {GPU: {"8": baseline._to_json(entry(9000.0, world_size=8, device="gpu"))}}}
-    file.write_text(json.dumps({"schema": 1, "tests": {"test_a[2]": {LEGACY: {"2": old, "4": keep}}, **other}}))
-    changes = store.update(TEST, "cpu:x86_64", {2: entry(296.4, provenance={"platform": "Linux-x86_64"})})
-    assert changes[2][0] is not None and changes[2][0].gated_mib == 301.9  # old -> new is shown
-    doc = json.loads(file.read_text())
-    assert doc["schema"] == SCHEMA_VERSION == 2
-    assert doc["tests"]["test_a[2]"] == {"cpu:x86_64": {"2": baseline._to_json(
-        entry(296.4, provenance={"platform": "Linux-x86_64"}))}, LEGACY: {"4": keep}}
-    assert doc["tests"]["test_b"] == other["test_b"]  # no other byte of meaning lost
-
-
 def test_gpu_entries_keep_the_allocator_figure_and_sites(store: BaselineStore) -> None:
     sites = ({"where": "t.py:9", "function": "step", "detail": "", "mib": 256.0, "count": 2, "internal": False},)
     gpu_entry = Entry(14370.0, {0: 14370.0}, 0, "gpu", "per-pid sampled", {}, 7765.06, 12876.0, sites)
@@ -647,7 +616,7 @@ def test_host_platform_keys_name_the_architecture() -> None:
 
     assert platform_key("cpu") == f"cpu:{platform.machine()}"
     assert baseline.architecture(platform_key("cpu")) == platform.machine()
-    assert baseline.architecture(LEGACY) is None and baseline.architecture(GPU) is None
+    assert baseline.architecture("cpu:AMD EPYC") is None and baseline.architecture(GPU) is None
     assert "cpu_model" in host_provenance({})
 
 
