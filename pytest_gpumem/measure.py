@@ -134,10 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                            rootdir=setup.rootdir, enabled=True, refresh=False)
     except (inifile.IniError, SettingsError) as exc:
         return _fail(str(exc))
+    from .launching.launcher import registered
+
     try:
         spec = parse_marker((), {"nproc": list(args.nproc), "rank": args.rank, "max_ratio": None,
                                  "launcher": settings.launcher, "device": settings.device,
-                                 "timeout": settings.timeout, **program}, settings.defaults())
+                                 "timeout": settings.timeout, **program},
+                            settings.defaults(tuple(registered())))  # the installed packages' launchers too
     except SpecError as exc:
         name = str(exc).split("=", 1)[0]
         return _fail(f"argument --{name.replace('_', '-')}: {exc}" if name.isidentifier() else str(exc))

@@ -8,6 +8,7 @@ for the parent to read.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -55,6 +56,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini(opt.ini, help=f"{opt.help} (default: {opt.default_text})", default=None)
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[str, ...]:
+    """The launcher names this session accepts: the built-in ones, the installed packages' entry
+    points, and those the conftests and plugins give (``pytest_gpumem_launchers``), registered
+    until the session ends."""
+    import importlib.metadata
+
+    from .config.spec import LAUNCHERS
+
+    names = set(LAUNCHERS) | {p.name for p in importlib.metadata.entry_points(group="pytest_gpumem.launchers")}
+    given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
+    if given:  # the registry (and every launcher module) is imported only where one is added
+        from .launching import launcher
+
+        for made in given:
+            try:
+                launcher.add(made, "pytest_gpumem_launchers")
+            except ValueError as exc:
+                raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
+            names.add(made.name)
+            config.add_cleanup(functools.partial(launcher.withdraw, made.name))
+    if resolved.launcher not in names:
+        raise pytest.UsageError(f"pytest-gpumem: gpumem_launcher={resolved.launcher!r} is not registered: "
+                                f"expected one of {', '.join(sorted(names))}")
+    return tuple(sorted(names))
+
+
 def unsupported_platform(platform: str | None = None) -> str | None:
     """Why gpumem tests cannot run here, or None on Linux (ranks read /proc and use prctl)."""
     platform = sys.platform if platform is None else platform
@@ -98,7 +131,7 @@ def pytest_configure(config: pytest.Config) -> None:
             plots.check_available()
         except plots.PlotsUnavailable as exc:
             raise pytest.UsageError(f"pytest-gpumem: --gpumem-plots: {exc}") from None
-    config.pluginmanager.register(ParentSide(config, resolved), "gpumem-parent")
+    config.pluginmanager.register(ParentSide(config, resolved, _launchers(config, resolved)), "gpumem-parent")
 
 
 def _check_rootdir(config: pytest.Config) -> None:
@@ -180,7 +213,7 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
         if marker is None:
             continue
         try:
-            parent.specs[item.nodeid] = parse_marker(marker.args, marker.kwargs, parent.settings.defaults())
+            parent.specs[item.nodeid] = parse_marker(marker.args, marker.kwargs, parent.defaults)
         except SpecError as exc:
             parent.bad_markers.setdefault(collector.nodeid, []).append(
                 f"{item.nodeid}: invalid gpumem marker: {exc}")
@@ -211,9 +244,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
 class ParentSide:
     """The user's session: skips without --gpumem, launches with it, prints the table."""
 
-    def __init__(self, config: pytest.Config, resolved: settings_mod.Settings) -> None:
+    def __init__(self, config: pytest.Config, resolved: settings_mod.Settings,
+                 launchers: tuple[str, ...] = ()) -> None:
         self.config = config
         self.settings = resolved
+        self.defaults = resolved.defaults(launchers) if launchers else resolved.defaults()  # once
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[TestRecord] = []

@@ -862,7 +862,7 @@ def test_lease_folder_is_private():
 # --- Bad input: settings from the ini file, the environment, the command line ------------------------
 
 BAD_VALUES = {
-    "launcher": "mpirun",
+    "launcher": "two words",  # not a name; one nobody registered: test_launcher_plugin.py
     "timeout": "soon",
     "max_ratio": "-1",
     "allow_mib": "-5",

@@ -154,7 +154,7 @@ def test_interrupted_mid_launch_leaves_no_process_and_no_folder(signum, tmp_path
     (["--nproc", "0,2", "--", "t.py"],
      "argument --nproc: nproc=[0, 2] is not accepted: expected an int or a list of ints from 1 to 1024"),
     (["--nproc", "2", "--launcher", "mpirun", "--", "t.py"],
-     "argument --launcher: 'mpirun' is not accepted: expected one of direct, oneflow, torchrun"),
+     "argument --launcher: launcher='mpirun' is not accepted: expected one of direct, oneflow, srun, torchrun"),
     (["--nproc", "2", "--timeout", "soon", "--", "t.py"],
      "argument --timeout: 'soon' is not accepted: expected a number of seconds > 0"),
     (["--nproc", "2", "--max-nproc", "-1", "--", "t.py"],

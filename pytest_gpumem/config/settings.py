@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -62,6 +63,13 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def _launcher_name(text: str) -> str:
+    """A launcher's name; whether one is registered under it is known once plugins have loaded."""
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", text):
+        raise ValueError(text)
+    return text
 
 
 def _tolerance(text: str) -> Tolerance:
@@ -139,7 +147,7 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("launcher", "--gpumem-launcher", "GPUMEM_LAUNCHER", "gpumem_launcher",
-           _choice(LAUNCHERS), "direct", "one of " + ", ".join(LAUNCHERS),
+           _launcher_name, "direct", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
            "default launcher for gpumem tests (direct spawns the ranks itself: no launcher start-up cost)"),
     Option("timeout", "--gpumem-timeout", "GPUMEM_TIMEOUT", "gpumem_timeout",
            _positive_float, "600", "a number of seconds > 0",
@@ -348,8 +356,10 @@ class Settings:
     fake_gpu: str = "auto"
     fake_gpu_model: str = "NVIDIA H200"
 
-    def defaults(self) -> Defaults:
+    def defaults(self, launchers: tuple[str, ...] = LAUNCHERS) -> Defaults:
+        """What a marker leaves out; ``launchers``: the names registered in this session."""
         return Defaults(
+            launchers=launchers,
             launcher=self.launcher,
             timeout=self.timeout,
             max_ratio=self.max_ratio,

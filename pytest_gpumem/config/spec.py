@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
+LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
 DEVICES = ("auto", "gpu", "cpu")
 # How a world size is run (rankside.simulate): for real (every rank launched), simulated (the gated
 # rank, or every rank for rank="all", alone with a stand-in communicator), or auto: for real where
@@ -152,6 +152,7 @@ class Defaults:
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
     simulate: str = "auto"
     fake_gpu: str = "auto"
+    launchers: tuple[str, ...] = LAUNCHERS  # the names registered in this session (plugins' too)
 
 
 @dataclass(frozen=True)
@@ -224,9 +225,9 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "the rank that gates; 'all' gates the largest rank peak"),
     MarkerArgument("device", "[gpumem_device]", "one of " + ", ".join(DEVICES),
                    "the memory that is gated: auto means GPU memory where the ranks use a GPU, host memory otherwise"),
-    MarkerArgument("launcher", "[gpumem_launcher]", "one of " + ", ".join(LAUNCHERS),
+    MarkerArgument("launcher", "[gpumem_launcher]", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
                    "how the ranks start: direct (the plugin spawns them), python -m oneflow.distributed.launch, "
-                   "torchrun, or one Slurm job step"),
+                   "torchrun, one Slurm job step, or a launcher a plugin registers (pytest_gpumem_launchers)"),
     MarkerArgument("timeout", "[gpumem_timeout]", "a number of seconds > 0", "seconds for the whole launch"),
     MarkerArgument("tolerance", "[gpumem_tolerance]", TOLERANCE_ACCEPTED,
                    "drift allowed above the stored baseline"),
@@ -330,8 +331,8 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     if device not in DEVICES:
         raise SpecError(f"device={device!r} is not accepted: expected one of {', '.join(DEVICES)}")
     launcher = kw.get("launcher", defaults.launcher)
-    if launcher not in LAUNCHERS:
-        raise SpecError(f"launcher={launcher!r} is not accepted: expected one of {', '.join(LAUNCHERS)}")
+    if launcher not in defaults.launchers:
+        raise SpecError(f"launcher={launcher!r} is not accepted: expected one of {', '.join(defaults.launchers)}")
     timeout = _number("timeout", kw.get("timeout", defaults.timeout), positive=True)
     tolerance = (
         parse_tolerance(kw["tolerance"]) if "tolerance" in kw else defaults.tolerance

@@ -4,14 +4,16 @@ implementations, one module each in ``launching/launchers/`` (direct, oneflow, t
 The runner and the failure text ask a launcher what they need to know (where its GPUs come from,
 where its launch folder lives, whether its ranks are on this host, what a rank's exit means); the
 launch itself is the launcher's :class:`~.launch.Launch` subclass. Nothing compares a launcher's
-name. Adding one (``accelerate launch``, ``deepspeed``, ``mpirun``) is one module in
-``launching/launchers/`` that calls :func:`register`, and its name in ``config.spec.LAUNCHERS``,
-which the marker and the options accept.
+name. A launcher of a team's own (``accelerate launch``, ``deepspeed``, ``mpirun``) comes in without
+a fork of the plugin: from a conftest or plugin's ``pytest_gpumem_launchers`` hook, or from an
+installed package's entry point in the ``pytest_gpumem.launchers`` group (``gpumem measure`` reads
+those too); the marker and the options then accept its name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +79,8 @@ class LocalLauncher:
 
 
 _REGISTRY: dict[str, Launcher] = {}
+_BUILT_IN: set[str] = set()  # the package's own names, which no plugin may take over
+_LOADED: list[bool] = []  # [True] once _load ran
 C = TypeVar("C", bound=Callable[[], Launcher])
 
 
@@ -84,16 +88,50 @@ def register(cls: C) -> C:
     """Class decorator: the launcher answers to its ``name`` from now on."""
     made = cls()
     _REGISTRY[made.name] = made
+    _BUILT_IN.add(made.name)
     return cls
 
 
+ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
+
+
+def add(made: Launcher, source: str, name: str | None = None) -> None:
+    """A launcher from outside the package (``source``: the plugin or entry point that gave it;
+    ``name``: the entry point's, which must be the launcher's)."""
+    _load()
+    given = getattr(made, "name", None)
+    if not isinstance(given, str) or not given:
+        raise ValueError(f"{source}: a launcher must have a name (a str attribute); got {made!r}")
+    if name is not None and given != name:
+        raise ValueError(f"{source}: the entry point is named {name!r} but its launcher {given!r}; name them alike")
+    name = given
+    if name in _BUILT_IN:
+        raise ValueError(f"{source}: launcher name {name!r} is pytest-gpumem's own; choose another name")
+    missing = [a for a in ("per_rank", "remote", "plan", "workdir", "start", "exit_text") if not hasattr(made, a)]
+    if missing:
+        raise ValueError(f"{source}: launcher {name!r} lacks {', '.join(missing)}; subclass "
+                         "pytest_gpumem.launching.launcher.LocalLauncher (or implement the Launcher protocol)")
+    _REGISTRY[name] = made
+
+
+def withdraw(name: str) -> None:
+    """Forget a launcher :func:`add` registered (at the end of the session whose plugin gave it)."""
+    if name not in _BUILT_IN:
+        _REGISTRY.pop(name, None)
+
+
 def _load() -> None:
-    """Every module of ``launching/launchers/``, each registering its launcher (once)."""
-    if not _REGISTRY:
+    """Every module of ``launching/launchers/``, each registering its launcher, then the installed
+    packages' entry points (once; importing one launcher's module first registers only that one)."""
+    if not _LOADED:
+        _LOADED.append(True)
         from . import launchers
 
         for module in pkgutil.iter_modules(launchers.__path__):
             importlib.import_module(f"{launchers.__name__}.{module.name}")
+        for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+            given = point.load()
+            add(given() if isinstance(given, type) else given, f"entry point {point.name} ({point.value})", point.name)
 
 
 def launcher(name: str) -> Launcher:

@@ -22,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
 LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
-TOP = {"plugin", "session", "gate", "cli", "measure", "bisect", "calibrate"}
+TOP = {"plugin", "hookspecs", "session", "gate", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
