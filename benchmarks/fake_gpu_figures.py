@@ -43,7 +43,7 @@ def one(job: str, world: int, fake: str | None) -> None:
         from pytest_gpumem.rankside import simulate
 
         os.environ[simulate.SIMULATE_ENV] = f"0/{world}"
-        simulate.install(simulate.World(0, world))
+        simulate.install_world(simulate.World(0, world))
     if fake:
         from pytest_gpumem.rankside import fakegpu
 

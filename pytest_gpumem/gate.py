@@ -109,7 +109,7 @@ class Gate:
             declared = provenance_diff(entry.provenance, test.provenance)
             config = [line for line in declared if line.startswith(CONFIG_PREFIX)]  # the test's own choice
             changed = list(dict.fromkeys(config + hardware_change(entry, test.provenance) + declared))
-        grown = site_growth(test, verdict, stored) if verdict is not None and not verdict.passed else None
+        grown = grown_sites(test, verdict, stored) if verdict is not None and not verdict.passed else None
         status = _status(test, verdict, problems)
         if status == "failed" and cause is None:
             cause = "limit"
@@ -287,7 +287,7 @@ def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
     return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}
 
 
-def site_growth(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
+def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
     """The gated rank's peak sites that grew at the failing size: against nproc=1 for a scaling
     failure, against the baseline's sites for a baseline failure (see judging/growth.py)."""
     by_size = {r.world_size: r for r in test.results if not r.predicted}

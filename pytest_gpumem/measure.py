@@ -64,7 +64,7 @@ def _rank(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not accepted: expected an int >= 0 or all") from None
 
 
-def parser() -> argparse.ArgumentParser:
+def measure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpumem measure", usage=USAGE,
         description="Run an existing launch at each world size and print every rank's peak memory.",
@@ -119,7 +119,7 @@ def _fail(message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = parser().parse_args(options)  # exits 2 naming the argument on a bad value
+    args = measure_parser().parse_args(options)  # exits 2 naming the argument on a bad value
     cwd = Path.cwd()
     try:
         program = _program(command, cwd)
@@ -182,7 +182,8 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .presentation import outputs
     from .sampling.nvml import visible_gpus
 
-    runner = session.build(settings, rootdir=Path.cwd(), cwd=Path.cwd(), rank_pytest_args=_no_pytest).runner
+    runner = session.Session.from_settings(settings, rootdir=Path.cwd(), cwd=Path.cwd(),
+                                           rank_pytest_args=_no_pytest).runner
     capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
     test = scaling.run(runner, command, spec, capacity)
     verdict = judge(spec, test.results) if test.results and not test.problems else None

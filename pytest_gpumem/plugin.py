@@ -262,7 +262,7 @@ class ParentSide:
         if self._machinery is None:
             from . import session
 
-            built = session.build(self.settings, rootdir=Path(self.config.rootpath),
+            built = session.Session.from_settings(self.settings, rootdir=Path(self.config.rootpath),
                                   cwd=Path(self.config.invocation_params.dir),
                                   rank_pytest_args=self.rank_pytest_args, start_refusal=self._fork_refusal())
             self._machinery = (built.gate, built.runner)

@@ -1,8 +1,9 @@
 """The composition root: the launching machinery built once from the resolved settings.
 
 ``pytest --gpumem`` (plugin), ``gpumem measure`` and, through them, ``gpumem refresh`` and ``gpumem
-bisect`` all build their runner here, so an option means the same in each: a launcher option, the
-fail-fast grace or the snapshot folder cannot be honoured by one command and forgotten by another.
+bisect`` all build their runner in :meth:`Session.from_settings`, so an option means the same in
+each: a launcher option, the fail-fast grace or the snapshot folder cannot be honoured by one
+command and forgotten by another.
 What differs is passed in: where the ranks' pytest runs from and what it is given (a program for
 ``measure``), and pytest's own reasons never to fork.
 """
@@ -34,10 +35,16 @@ class Session:
     runner: Runner
     gate: Gate
 
+    @classmethod
+    def from_settings(cls, settings: Settings, *, rootdir: Path, cwd: Path,
+                      rank_pytest_args: Callable[[str], list[str]], start_refusal: str | None = None) -> Session:
+        """Everything a launch needs, from ``settings`` alone (and what only the caller knows)."""
+        return cls(settings=settings, runner=_runner(settings, rootdir, cwd, rank_pytest_args, start_refusal),
+                   gate=Gate(settings, BaselineStore(settings.baselines)))
 
-def build(settings: Settings, *, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
-          start_refusal: str | None = None) -> Session:
-    """Everything a launch needs, from ``settings`` alone (and what only the caller knows)."""
+
+def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
+            start_refusal: str | None) -> Runner:
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
     setup = RankSetup(
         rootdir=rootdir,
@@ -52,7 +59,7 @@ def build(settings: Settings, *, rootdir: Path, cwd: Path, rank_pytest_args: Cal
         start=settings.start,
         start_refusal=start_refusal,
     )
-    runner = Runner(
+    return Runner(
         cwd=cwd,
         setup=setup,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),
@@ -65,4 +72,3 @@ def build(settings: Settings, *, rootdir: Path, cwd: Path, rank_pytest_args: Cal
         startups=Startups(settings.host_startup, settings.startup_cache, rootdir),
         fake_gpus=FakeGpus(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE),
     )
-    return Session(settings=settings, runner=runner, gate=Gate(settings, BaselineStore(settings.baselines)))

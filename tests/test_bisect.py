@@ -22,7 +22,7 @@ import pytest
 
 from conftest import OWN_CACHES, TAG_ENV, processes_tagged
 from pytest_gpumem.bisect.command import _line, last_line
-from pytest_gpumem.bisect.commits import Commit, between, resolve
+from pytest_gpumem.bisect.commits import Commit, between, resolve_commit
 from pytest_gpumem.bisect.search import Judge, search, site_lines
 from pytest_gpumem.config.spec import Tolerance
 from pytest_gpumem.judging.record import SizeRecord
@@ -187,7 +187,8 @@ def test_the_commits_searched_are_the_first_parent_history_that_contains_good(tm
     commit("m3")
 
     def subjects(good: str) -> list[str]:
-        return [c.subject for c in between(tmp_path, resolve(tmp_path, good, "GOOD"), resolve(tmp_path, "main", "BAD"))]
+        return [c.subject for c in between(tmp_path, resolve_commit(tmp_path, good, "GOOD"),
+                                           resolve_commit(tmp_path, "main", "BAD"))]
 
     assert subjects("main~3") == ["m2", "merge", "m3"]  # s1 and s2 are not on the first-parent line
     assert subjects("side~1") == ["merge", "m3"]  # m2 does not contain GOOD

@@ -28,7 +28,7 @@ import json, os, sys
 sys.path.insert(0, {str(ROOT)!r})
 os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 from pytest_gpumem.rankside import fakegpu, simulate
-simulate.install(simulate.World(0, 2))
+simulate.install_world(simulate.World(0, 2))
 fakegpu.install("NVIDIA H200")
 import torch
 import torch.distributed as dist

@@ -104,7 +104,7 @@ def test_a_failing_program_exits_1_with_its_output(tmp_path, private_tmp, launch
 
 
 def test_measure_honours_the_fail_fast_grace_a_test_session_does(tmp_path, private_tmp, launch_tag):
-    """``gpumem measure`` builds its runner where ``pytest --gpumem`` does (session.build), so the
+    """``gpumem measure`` builds its runner where ``pytest --gpumem`` does (Session.from_settings), so the
     fail-fast grace is the session's: rank 1 fails at once, rank 0 ends 3 s later on its own, inside
     a 30 s grace; at the 2 s default it is stopped (issue 37: measure used to ignore the setting)."""
     (tmp_path / "train.py").write_text("import os, sys, time\n"

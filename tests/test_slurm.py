@@ -318,7 +318,7 @@ def test_train_net():
 
 def test_measure_honours_the_srun_arguments_a_test_session_does(tmp_path, nothing_left):
     """``gpumem measure --launcher srun`` builds its runner where ``pytest --gpumem`` does
-    (session.build): GPUMEM_SRUN_ARGS reach the job step (issue 37: measure used to drop them). The
+    (Session.from_settings): GPUMEM_SRUN_ARGS reach the job step (issue 37: measure used to drop them). The
     program exits 3 unless srun exported the variable those arguments set."""
     (tmp_path / "train.py").write_text("import os, sys\n"
                                        "sys.exit(0 if os.environ.get('GPUMEM_SRUN_MARK') == 'given' else 3)\n")

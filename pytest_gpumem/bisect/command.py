@@ -16,7 +16,7 @@ from typing import Sequence
 from ..config.spec import SpecError, Tolerance, parse_tolerance
 from ..launching.signal_guard import FatalSignal, SignalGuard
 from ..sampling.allocations import is_allocation_method
-from .commits import BadInput, Commit, between, git, is_ancestor, resolve
+from .commits import BadInput, Commit, between, git, is_ancestor, resolve_commit
 from .search import DIGITS, Judge, StepVerdict, growth_text, search, shown, site_lines
 from .workspace import Measurement, Workspace
 
@@ -25,7 +25,7 @@ USAGE = ("gpumem bisect GOOD BAD [--nproc N] [--tolerance TOL] -- <pytest args n
 EXAMPLE = "e.g. -- tests/test_train.py::test_ddp"
 
 
-def parser() -> argparse.ArgumentParser:
+def bisect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpumem bisect", usage=USAGE,
         description="Find the first commit at which a gpumem test's gated peak, at the failing world size, "
@@ -76,7 +76,7 @@ def _line(label: str, commit: Commit, mib: float | None, verdict: str, why: str,
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
-    args = parser().parse_args(options)  # exits 2 naming the argument on a bad value
+    args = bisect_parser().parse_args(options)  # exits 2 naming the argument on a bad value
     if not command:
         return _fail("the test is missing: expected -- and then pytest arguments naming one gpumem test "
                      f"({EXAMPLE}), or -- measure [options] -- PROGRAM")
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{Path.cwd()} is not inside a git repository: run gpumem bisect in the checkout to search")
     relative = Path.cwd().resolve().relative_to(repo.resolve())
     try:
-        good, bad = resolve(repo, args.good, "GOOD"), resolve(repo, args.bad, "BAD")
+        good, bad = resolve_commit(repo, args.good, "GOOD"), resolve_commit(repo, args.bad, "BAD")
         if good.sha == bad.sha:
             raise BadInput(f"GOOD and BAD are the same commit {good.short}: expected GOOD older than BAD")
         if not is_ancestor(repo, good, bad):

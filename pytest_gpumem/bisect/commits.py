@@ -32,7 +32,7 @@ class Commit:
         return self.sha[:10]
 
 
-def resolve(repo: Path, rev: str, name: str) -> Commit:
+def resolve_commit(repo: Path, rev: str, name: str) -> Commit:
     sha = git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}", check=False)
     if not sha:
         raise BadInput(f"{name} {rev!r} is not a commit of {repo}: expected a commit, branch, tag or "

@@ -31,8 +31,6 @@ STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
 _OPTIONAL_KEYS = ("allocated_mib", "reserved_mib", "sites")  # schema 2
 _SITE_KEYS = ("where", "function", "detail", "mib", "count", "internal")
-# CPU architectures, as platform.machine() names them: a host platform key is ``cpu:x86_64``.
-ARCHITECTURES = frozenset({"x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64", "i686", "armv7l"})
 _INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
 _JSON_RULE = "JSON as pytest-gpumem writes it"
@@ -300,12 +298,6 @@ def _write_atomic(file: Path, data: bytes) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def architecture(platform: str) -> str | None:
-    """``x86_64`` of ``cpu:x86_64``; None for a GPU key."""
-    device, _, name = platform.partition(":")
-    return name if device == "cpu" and name in ARCHITECTURES else None
 
 
 class BaselineStore:

@@ -54,7 +54,7 @@ def not_in_allocation(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
-def plan(spec: Spec, nproc: int, env: Mapping[str, str] = os.environ) -> GpuPlan:
+def bound_gpus(spec: Spec, nproc: int, env: Mapping[str, str] = os.environ) -> GpuPlan:
     """What stands in for the local GPU planner: no leases, Slurm binds the GPUs."""
     reason = not_in_allocation(env)
     if reason is not None:
@@ -69,7 +69,7 @@ def shared_root(options: LauncherOptions, env: Mapping[str, str] = os.environ) -
     return Path(env.get("SLURM_SUBMIT_DIR") or os.getcwd()) / SHARED_SUBDIR
 
 
-def make_workdir(options: LauncherOptions, env: Mapping[str, str] = os.environ) -> Path:
+def shared_workdir(options: LauncherOptions, env: Mapping[str, str] = os.environ) -> Path:
     """The launch's private folder, inside the folder every node sees."""
     root = shared_root(options, env)
     try:

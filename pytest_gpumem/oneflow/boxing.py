@@ -547,7 +547,7 @@ def from_provenance(provenance: Mapping[str, str]) -> dict[str, int] | None:
     return out
 
 
-def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+def audit_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     """``diff`` between a baseline's provenance and a new run's; [] unless both audited graphs."""
     before, after = from_provenance(old), from_provenance(new)
     if before is None or after is None:

@@ -325,7 +325,7 @@ def main(argv: list[str]) -> None:
     rank = file_rank()
     simulated = simulate.world()
     if simulated is not None:  # before the target imports torch: its process groups are the stand-in
-        simulate.install(simulated)
+        simulate.install_world(simulated)
 
     _redirect_output(protocol.rank_file(workdir, rank, "log"))
     fake_gpu = fakegpu.requested()

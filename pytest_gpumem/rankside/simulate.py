@@ -72,7 +72,7 @@ def _note(text: str, skipped: str = "") -> None:
         uncounted.append(skipped)
 
 
-def install(where: World) -> None:
+def install_world(where: World) -> None:
     """Arm the stand-in: now where torch is imported already (a forked rank), else at its import."""
     after_import("torch", lambda torch: _patch_torch(torch, where))
     sys.meta_path.insert(0, _Refuse("oneflow", f"OneFlow cannot run as rank {where.rank} of a simulated world "

@@ -142,3 +142,16 @@ def test_only_the_cli_imports_the_commands():
     for path in PACKAGE.rglob("*.py"):
         if path.parent != PACKAGE and path.relative_to(PACKAGE).parts[0] not in COMMAND_PACKAGES:
             assert not _imports(path) & {"measure", "bisect"}, f"{path.name} imports a command module"
+
+
+def test_no_two_public_functions_or_classes_share_a_name():
+    """One name per idea (issue 37): a reader who meets ``site_growth`` knows which one it is. ``main``
+    is the exception: each command module's entry point, as Python's ``python -m`` convention has it."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            public = not getattr(node, "name", "_").startswith("_")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and public:
+                seen.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: where for name, where in seen.items() if len(where) > 1 and name != "main"}
+    assert shared == {}, "rename one of each: " + "; ".join(f"{n}: {', '.join(w)}" for n, w in shared.items())

@@ -20,10 +20,10 @@ class Srun:
     remote = True  # PIDs on other hosts: never sampled here; each rank reports its own peaks
 
     def plan(self, spec: Spec, nproc: int) -> GpuPlan | None:
-        return slurm.plan(spec, nproc)  # Slurm binds the GPUs; the local leases are for local launches
+        return slurm.bound_gpus(spec, nproc)  # Slurm binds the GPUs; the local leases are for local launches
 
     def workdir(self, options: LauncherOptions) -> Path | None:
-        return slurm.make_workdir(options)  # on a file system that every node sees
+        return slurm.shared_workdir(options)  # on a file system that every node sees
 
     def start(self, request: LaunchRequest, on_rank: Callable[[int, int], None], options: LauncherOptions) -> Launch:
         return slurm.SrunLaunch(request, on_rank, options)

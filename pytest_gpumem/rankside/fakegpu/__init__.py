@@ -50,8 +50,8 @@ def install(name: str, calibration: str | None = None) -> None:
 def _arm(torch: ModuleType, allocator: Any, model: Any) -> None:
     from . import cuda_api, dispatch
 
-    cuda_api.install(torch, allocator, model)
-    active["mode"] = dispatch.install(torch, allocator, model)
+    cuda_api.install_cuda_api(torch, allocator, model)
+    active["mode"] = dispatch.install_dispatch(torch, allocator, model)
 
 
 def describe() -> dict[str, Any]:

@@ -135,7 +135,7 @@ def _own(name: str, value: Any) -> Any:
     return value
 
 
-def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> None:
+def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> None:
     """Replace what a CPU build of ``torch.cuda`` cannot answer; nothing of the real GPU is touched."""
     cuda = torch.cuda
     properties = SimpleNamespace(**model.properties())

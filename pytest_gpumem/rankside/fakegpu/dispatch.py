@@ -56,7 +56,7 @@ paused = _Paused()  # >0: ops run fake but nothing is counted (DTensor's shardin
 inner = _Paused()  # >0: inside the fake mode's own dispatch (its decompositions run ops of their own)
 
 
-def install(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any:
+def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any:
     """Enter the fake GPU for the rest of this process; returns the routing mode (entered)."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,

@@ -75,7 +75,7 @@ def compiler() -> str:
                     "compiler was found: install one (apt-get install g++) or set CXX")
 
 
-def build(folder: Path | None = None) -> Path:
+def build_shim(folder: Path | None = None) -> Path:
     """The shim for this torch, built now if the cache lacks it (under a lock: ranks start together)."""
     from filelock import FileLock
 
@@ -113,7 +113,7 @@ def load(folder: Path | None = None) -> Path | None:
     folder = folder or torch_dir()
     if not needed(folder):
         return None
-    path = build(folder)
+    path = build_shim(folder)
     try:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:

@@ -615,8 +615,6 @@ def test_host_platform_keys_name_the_architecture() -> None:
     import platform
 
     assert platform_key("cpu") == f"cpu:{platform.machine()}"
-    assert baseline.architecture(platform_key("cpu")) == platform.machine()
-    assert baseline.architecture("cpu:AMD EPYC") is None and baseline.architecture(GPU) is None
     assert "cpu_model" in host_provenance({})
 
 
