@@ -1,0 +1,198 @@
+"""One launch of one world size: its folder, its samplers, the request to its launcher, the ranks'
+files read back, their snapshots kept; a relaunch on another port where the rendezvous port was
+lost before any test body started. :class:`~.runner.Runner` decides what to launch; this runs it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..config.spec import Spec
+from ..judging.verdict import SizeResult
+from ..rankside import protocol
+from ..rankside.rank import STARTUP_ENV
+from ..sampling import Sampler
+from ..sampling.host import HostSampler
+from ..sampling.identity import simulated_key
+from . import failures
+from .gpus import GpuPlan
+from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
+from .launcher import LauncherOptions, launcher
+from .rank_reading import Reading, read_size_run
+from .rank_setup import RankSetup
+from .runs import SizeRun
+from .workdirs import make_workdir, sweep_orphans
+
+GpuSetup = Callable[[Spec, int, str], GpuPlan]
+PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before any test body started
+
+
+class Launches:
+    """What every launch of a session shares: where the ranks run, their setup, the GPUs' source,
+    the launcher's options, the fail-fast grace, the snapshot folder."""
+
+    def __init__(self, *, cwd: Path, setup: RankSetup, gpu_setup: GpuSetup, host_interval_s: float | None = None,
+                 snapshot_dir: Path | None = None, launcher_options: LauncherOptions | None = None,
+                 fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S, fake_gpus: GpuSetup | None = None) -> None:
+        self.cwd = cwd
+        self.setup = setup
+        self.gpu_setup = gpu_setup
+        self.host_interval_s = host_interval_s
+        self.snapshot_dir = snapshot_dir
+        self.launcher_options = launcher_options or LauncherOptions()
+        self.fail_fast_grace = fail_fast_grace  # seconds the other ranks get once one failed
+        self.fake_gpus = fake_gpus  # a fake GPU's launches (launching.gpus.FakeGpus); None: none here
+        self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
+        self._swept = False
+
+    def plan(self, spec: Spec, nproc: int, test_id: str, fake: bool = False) -> GpuPlan:
+        """The launch's GPUs: the launcher's own, leased here, or a fake GPU's."""
+        if fake:
+            if self.fake_gpus is None:
+                return GpuPlan(skip_reason="a fake GPU was asked for, but this session has none set up")
+            return self.fake_gpus(spec, nproc, test_id)
+        own = launcher(spec.launcher).plan(spec, nproc)  # e.g. srun: Slurm binds the GPUs
+        return own if own is not None else self.gpu_setup(spec, nproc, test_id)
+
+    def _new_workdir(self, spec: Spec) -> Path:
+        shared = launcher(spec.launcher).workdir(self.launcher_options)  # e.g. srun: one every node sees
+        if shared is not None:
+            return shared
+        if not self._swept:  # once per session, at the first local launch: nothing paid when unused
+            self._swept = True
+            sweep_orphans()
+        return make_workdir()  # private: mode 0700
+
+    def processes(self, world_size: int, simulated: tuple[int, ...]) -> int:
+        """GPUs a launch leases: one a rank, or for a simulated world those its ranks share."""
+        if not simulated:
+            return world_size
+        return min(len(simulated), self.simulated_gpus) if self.simulated_gpus else len(simulated)
+
+    def launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, *, history: bool = False,
+               simulated: tuple[int, ...] = (), startup: str = "") -> SizeRun:
+        """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones, each
+        given ``startup`` as its ``GPUMEM_STARTUP``; relaunched on another port where the rendezvous
+        port was lost before any test body started."""
+        if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
+            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                           outcomes={}, problems=[plan.error])
+        lost: list[str] = []
+        while True:
+            try:
+                workdir = self._new_workdir(spec)
+            except OSError as exc:
+                return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                               outcomes={}, problems=[str(exc)])
+            try:  # the folder goes whatever happens, Ctrl-C included
+                run = self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated, startup)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
+                break
+            # Another program took the rendezvous port before any rank's test body started: the same
+            # launch again on another port, with fresh samplers (the GPUs were released with it).
+            lost.append(f"rendezvous port {run.launch.port} was taken by another program before any rank's "
+                        f"test body started ({run.launch.port_lost}): relaunched on another port")
+            plan = self.plan(spec, self.processes(nproc, simulated), test_id)
+            if plan.skip_reason is not None or plan.error is not None:
+                break
+        run.notes = lost + run.notes
+        return run
+
+    def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
+                   history: bool, simulated: tuple[int, ...], startup: str) -> SizeRun:
+        nproc = len(simulated) or world  # processes
+        host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
+        samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
+        remote = launcher(spec.launcher).remote
+
+        def on_rank(rank: int, pid: int) -> None:
+            if remote:  # the PID is on the rank's own host: its exit report counts
+                return
+            for sampler in samplers:
+                sampler.add_process(rank, pid)
+
+        env = {**self.setup.env(spec, plan, history), STARTUP_ENV: startup}
+        refused = self.setup.fork_refusal(spec, plan, env)
+        request = LaunchRequest(
+            launcher=spec.launcher,
+            nproc=nproc,
+            rank_argv=self.setup.argv(test_id, spec),
+            env=env,
+            cwd=self.cwd,
+            workdir=workdir,
+            timeout=spec.timeout,
+            nnodes=spec.nnodes,
+            start="exec" if refused else "fork",
+            simulated=simulated,
+            world_size=world,
+            gpus=self.processes(world, simulated),  # the GPUs leased, which LOCAL_RANK indexes
+            fail_fast_grace=self.fail_fast_grace,
+        )
+        started_at = time.time()  # the ranks' own curves are in epoch seconds
+        for sampler in samplers:
+            sampler.start()
+        try:
+            launch = launcher(spec.launcher).start(request, on_rank, self.launcher_options).run()
+        finally:
+            for sampler in samplers:
+                sampler.stop()
+            plan.release()
+        reading = Reading(
+            in_rank_gpu=self.setup.in_rank_gpu(spec, plan),
+            untracked_host=self.setup.track_host == "auto" and not self.setup.tracks_host(spec, plan),
+            context=failures.LaunchContext(marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
+                                           timeout=spec.timeout, body_mode=spec.body_mode,
+                                           fail_fast_grace=self.fail_fast_grace))
+        run = read_size_run(spec, nproc, workdir, launch, host, plan, reading, started_at)
+        if simulated:
+            run = _as_world(run, simulated, world)
+        why = self.setup.start_note(refused, launch.start_refusal)
+        run.result = replace(run.result, start=launch.start + (f" ({why})" if why else ""))
+        if why and self.setup.start == "fork":  # asked for: said in the report (auto falls back quietly)
+            run.notes.append(f"ranks exec'd, not forked: {why}")
+        run.notes = plan.notes + run.notes + [f"GPU sampler: {p}" for p in run.gpu_problems]
+        if launch.port_note:
+            run.notes.append(launch.port_note)
+        run.snapshots = self._keep_snapshots(test_id, nproc, workdir)
+        return run
+
+    def _keep_snapshots(self, test_id: str, nproc: int, workdir: Path) -> dict[int, Path]:
+        """Move each rank's torch allocator snapshot out of the launch folder before it goes."""
+        if self.snapshot_dir is None:
+            return {}
+        kept = {}
+        stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_id)
+        for rank in range(nproc):
+            source = protocol.rank_file(workdir, rank, "snapshot")
+            if source.exists():
+                self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+                target = self.snapshot_dir / f"{stem}-nproc{nproc}-rank{rank}.pickle"
+                shutil.move(str(source), target)
+                kept[rank] = target
+        return kept
+
+
+
+
+def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
+    """A simulated launch's figures, keyed by the ranks its processes stood for, at the world's size."""
+    def keyed(values: Mapping[int, Any]) -> dict[int, Any]:
+        return {ranks[slot]: value for slot, value in values.items() if slot < len(ranks)}
+
+    def curve(points: tuple[tuple[float, Mapping[int, float]], ...]) -> tuple[tuple[float, Mapping[int, float]], ...]:
+        return tuple((t, keyed(values)) for t, values in points)
+
+    result = run.result
+    run.result = replace(
+        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform),
+        peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
+        rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
+        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline))
+    run.outcomes = {ranks[slot]: o for slot, o in run.outcomes.items() if slot < len(ranks)}
+    return run  # its problems name the ranks its processes stood for already (failures.who)
