@@ -155,3 +155,11 @@ def test_no_two_public_functions_or_classes_share_a_name():
                 seen.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
     shared = {name: where for name, where in seen.items() if len(where) > 1 and name != "main"}
     assert shared == {}, "rename one of each: " + "; ".join(f"{n}: {', '.join(w)}" for n, w in shared.items())
+
+
+def test_no_class_is_over_250_lines():
+    """A class a reader holds in mind at once (issue 37: the Runner had grown to 273)."""
+    long = [f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno + 1 > 250]
+    assert long == [], "split: " + ", ".join(long)
