@@ -19,7 +19,7 @@ SMOKE := tests/test_install.py tests/unit/judging/test_gate_edges.py tests/unit/
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test test-gpu test-slurm lint docs reference docs-shots test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
+.PHONY: test test-long test-gpu test-slurm lint docs reference docs-shots test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -55,9 +55,15 @@ $(FLOOR)/.ready: pyproject.toml tools/floor-requirements.txt
 # The plugin's own tests: lint and types first, then the docs site, everything in the torch venv, the
 # OneFlow-marked ones in the OneFlow venv, then the smoke tests at the dependency floors.
 test: venvs lint docs
-	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 tests
-	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m oneflow tests
+	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m "not long" tests
+	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m "oneflow and not long" tests
 	$(MAKE) test-floor
+
+# The wide validations a cheaper test in `make test` also covers (marked long): foreign models on the
+# fake GPU, fresh installs, predictions at 8, torchrun's twin of the direct tests. Not in CI's budget.
+test-long: venvs
+	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m long tests
+	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m "oneflow and long" tests
 
 # ruff (with the rule that only plugin.py imports pytest) over every Python file of the repository
 # (tools/ holds shell scripts, and the docs site's hooks), and mypy on the package, configured in pyproject.toml.

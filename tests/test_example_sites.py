@@ -47,8 +47,9 @@ def first_site_line(stdout: str) -> str:
 @pytest.mark.parametrize("test_id, path, needle, share_mib", [
     ("examples/test_torch_ddp.py::test_torch_ddp_inflated", "examples/test_torch_ddp.py",
      "parts = [torch.empty_like(t)", 128.0),  # LOCAL_BATCH x FEATURES float32: one rank's share of the batch
-    ("examples/test_script_mode.py::test_train_net_script_inflated", "examples/train_net.py",
-     "parts = [torch.empty_like(t)", 64.0),  # --batch-size 2048 x 8192 features float32
+    pytest.param("examples/test_script_mode.py::test_train_net_script_inflated", "examples/train_net.py",
+                 "parts = [torch.empty_like(t)", 64.0,  # --batch-size 2048 x 8192 features float32
+                 marks=pytest.mark.long),  # make test-long: the torch-ddp case runs the same path in make test
 ], ids=["torch-ddp", "script-mode"])
 def test_a_torch_twin_lists_the_example_line_first_with_its_growth(tmp_path, test_id, path, needle, share_mib):
     pytest.importorskip("torch")

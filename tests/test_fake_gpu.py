@@ -191,6 +191,7 @@ def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gathe
         assert "the peak column is what nvidia-smi shows" not in result.stdout.str()
 
 
+@pytest.mark.long  # make test-long: the FSDP1, FSDP2 and DDP fake-GPU tests above run in make test
 def test_jobs_written_by_others_run_unchanged_near_the_h200_and_a_2_percent_tensor_in_one_fails_naming_its_line(
         pytester, monkeypatch, launch_tag):
     """transformers' GPT-2 with DDP, a Llama sharded torchtitan's way (meta, FSDP2 per block, bf16

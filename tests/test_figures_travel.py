@@ -147,7 +147,7 @@ def _measure(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, site: P
 
 @pytest.mark.parametrize(
     "framework_copy, job",
-    [pytest.param("torch", TORCH_JOB, marks=pytest.mark.torch, id="torch-ddp-gloo"),
+    [pytest.param("torch", TORCH_JOB, marks=[pytest.mark.torch, pytest.mark.long], id="torch-ddp-gloo"),
      pytest.param("oneflow", ONEFLOW_JOB, marks=pytest.mark.oneflow, id="oneflow-global")],
     indirect=["framework_copy"],
 )

@@ -132,6 +132,7 @@ def session(tmp_path: Path, cache: FloorCache, *, refresh: bool = False,
 
 @pytest.mark.torch
 @pytest.mark.slow
+@pytest.mark.long  # make test-long: the cache's unit tests above and the session-path test below run in make test
 def test_the_next_session_reuses_the_floor_and_says_it_is_cached(tmp_path, launch_tag):
     pytest.importorskip("torch")
     cache = FloorCache(tmp_path / "cache" / "floors.json")

@@ -45,6 +45,9 @@ def test_inflating():
 '''
 
 
+# make test-long: test_from_two_launched_sizes_a_prediction_is_shown_and_never_fails and the fit's unit
+# tests run in make test
+@pytest.mark.long
 def test_inflation_fails_at_8_as_predicted_and_healthy_passes(pytester, launch_tag, tmp_path):
     pytester.makepyfile(JOBS)
     report = tmp_path / "report.json"

@@ -53,6 +53,7 @@ def test_over():
     assert "| floor + job MiB |" in text and " + " in text.split("test_over`", 1)[1].splitlines()[0]
 
 
+@pytest.mark.long  # make test-long: torchrun launches in make test (test_faults' torchrun faults, test_tolerance)
 def test_torchrun_launcher_gates_the_same_way(pytester, launch_tag):
     pytester.makepyfile(TORCH_DDP + '''
 @pytest.mark.gpumem(nproc=2, max_ratio=1.2, launcher="torchrun")
@@ -164,6 +165,7 @@ def test_train_net():
         "0/1 --config-file gpt2.py", "0/2 --config-file gpt2.py", "1/2 --config-file gpt2.py"]
 
 
+@pytest.mark.long  # make test-long: test_the_cpu_floor_is_shown_in_the_table_... runs in make test
 def test_floor_shows_what_is_not_the_job_own(pytester, launch_tag):
     """An empty torch job at each size (start-up, and the gloo communicator at N > 1), launched once
     and reused, is shown apart from the job: the inflating part is all in the job's own share."""
