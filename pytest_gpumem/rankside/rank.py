@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -66,10 +67,18 @@ SLOT_ENV = "GPUMEM_SLOT"
 # start-up's figures (by rank) measured by a probe.
 STARTUP_ENV = "GPUMEM_STARTUP"
 
-_allocator: "TorchAllocator | None" = None  # this rank's torch CUDA allocator watch (set by main)
-_tracker: "AllocationTracker | None" = None  # this rank's host tracker, where its test's setup ends or begins a capture
-_startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
-_report: "Callable[[], None] | None" = None  # writes this rank's exit report (registered with atexit too)
+@dataclass
+class ThisRank:
+    """This process's measuring machinery, set once by :func:`main` and read by the plugin's in-rank
+    side (``allocator``, ``startup_ended``): one object, not a module global each."""
+
+    allocator: "TorchAllocator | None" = None  # the torch CUDA allocator watch
+    tracker: "AllocationTracker | None" = None  # the host tracker, while its test's setup is to end or begin a capture
+    startup: tuple[float, float] | None = None  # the start-up's (live, peak) MiB handed in by the parent
+    report: "Callable[[], None] | None" = None  # writes the exit report (registered with atexit too)
+
+
+this_rank = ThisRank()
 
 
 def startup_ended() -> None:
@@ -79,22 +88,21 @@ def startup_ended() -> None:
     The collector runs first, so that the start-up's garbage is not in its live figure (the probe)
     and the job starts from the same collector state in every launch.
     """
-    global _tracker
-    tracker, _tracker = _tracker, None
+    tracker, this_rank.tracker = this_rank.tracker, None
     if tracker is None:
         return
     import gc
 
     gc.collect()
-    if _startup is not None:
-        tracker.startup = _startup
+    if this_rank.startup is not None:
+        tracker.startup = this_rank.startup
         tracker.start()
         return
     # A probe: its figures (or its problem) go into the exit report, written now. The rank ends at
     # once: the frameworks' shutdown could wait for peers that have already ended theirs.
     tracker.end_startup()
-    if _report is not None:
-        _report()
+    if this_rank.report is not None:
+        this_rank.report()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -115,7 +123,7 @@ def _startup_given(value: str, rank: int) -> tuple[float, float] | None:
 
 def allocator() -> "TorchAllocator | None":
     """The rank's torch allocator watch, for the test body's start and end (plugin.RankSide)."""
-    return _allocator
+    return this_rank.allocator
 
 
 def file_rank() -> int:
@@ -220,7 +228,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
         gpu_allocator["fake_gpu"] = fakegpu.describe()
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
-    measured = tracker.startup if _startup is None else None  # a probe's
+    measured = tracker.startup if this_rank.startup is None else None  # a probe's
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
         alloc_problem=tracker.problem, provenance=provenance, alloc_sites=tracker.sites,
@@ -319,7 +327,6 @@ def main(argv: list[str]) -> None:
     from . import fakegpu, protocol, simulate
     from .gpu_allocator import TorchAllocator
 
-    global _allocator, _tracker, _startup, _report
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
     rank = file_rank()
@@ -341,20 +348,20 @@ def main(argv: list[str]) -> None:
     objects = os.environ.get(PYTHON_ALLOCATIONS_ENV, "objects").strip().lower() != "arenas"
     tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root, objects=objects)
     startup = os.environ.get(STARTUP_ENV, "") if mode == "pytest" else ""
-    _startup = _startup_given(startup, rank)
+    this_rank.startup = _startup_given(startup, rank)
     if not switched_off(TRACK_ENV):
-        if startup == "probe" or _startup is not None:
-            _tracker = tracker  # ended, or started, where the test's setup begins (startup_ended)
-        if _startup is None:
+        if startup == "probe" or this_rank.startup is not None:
+            this_rank.tracker = tracker  # ended, or started, where the test's setup begins (startup_ended)
+        if this_rank.startup is None:
             tracker.start()  # before the target imports anything: the frameworks' own allocations count
     history = sites and os.environ.get(HISTORY_ENV) == "1"
-    _allocator = TorchAllocator(history=history or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
-    _allocator.install()  # costs nothing until torch is imported, starts no CUDA
+    watch = this_rank.allocator = TorchAllocator(history=history or bool(os.environ.get(SNAPSHOT_ENV)), root=root)
+    watch.install()  # costs nothing until torch is imported, starts no CUDA
     gpu_sampler = _start_gpu_sampler() if os.environ.get(GPU_IN_RANK_ENV) == "1" else None
     protocol.write_hello(workdir, rank)
     # Runs last: after the frameworks' own shutdown.
-    _report = functools.partial(_report_exit, workdir, rank, tracker, gpu_sampler, _allocator)
-    atexit.register(_report)
+    this_rank.report = functools.partial(_report_exit, workdir, rank, tracker, gpu_sampler, watch)
+    atexit.register(this_rank.report)
 
     if mode == "pytest":
         sys.argv = ["pytest", target, *args]
