@@ -34,6 +34,19 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Findings:
+    """What one step of the gate found, as a value: failures, warnings and notes, which the gate
+    gathers (no step fills a list it is handed)."""
+
+    problems: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __add__(self, other: Findings) -> Findings:
+        return Findings(self.problems + other.problems, self.warnings + other.warnings, self.notes + other.notes)
+
+
 class Gate:
     def __init__(self, settings: Settings, store: BaselineStore) -> None:
         self.settings = settings
@@ -82,16 +95,20 @@ class Gate:
         verdict: Verdict | None = None
         if test.skip_reason is None and not problems and not self.settings.refresh:
             try:
-                stored = self._baselines(test, notes, problems, warnings)
+                stored, found = self._baselines(test)
+                problems += found.problems
+                warnings += found.warnings
+                notes += found.notes
             except BaselineError as exc:
                 problems.append(f"baseline file unusable (left untouched): {exc}{self._next_step(test.test_id)}")
                 cause = "baseline-error"
             cause = cause or ("baseline-missing" if problems else None)
         if test.skip_reason is None and not problems:
             notes.extend(self._fake_gpu_difference(test))
-            refs = {n: BaselineRef(e.gated_mib, self._tolerance(test, n, e, notes),
-                                   e.allocated_mib, spec.allocated_tolerance.resolve(exact=True))
-                    for n, e in stored.items()}
+            tolerances = {n: self._tolerance(test, n, e) for n, e in stored.items()}
+            notes += dict.fromkeys(note for _, note in tolerances.values() if note)  # each said once
+            refs = {n: BaselineRef(e.gated_mib, tolerances[n][0], e.allocated_mib,
+                                   spec.allocated_tolerance.resolve(exact=True)) for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:
                 try:
@@ -101,7 +118,9 @@ class Gate:
                                     f"{self._next_step(test.test_id)}")
                     cause = cause or "baseline-error"
         if test.unlaunched and test.skip_reason is None and not problems:
-            self._unlaunched(test, problems, warnings)
+            found = self._unlaunched(test)
+            problems += found.problems
+            warnings += found.warnings
             cause = cause or ("limit" if problems else None)
         changed: list[str] = []
         if stored:
@@ -132,10 +151,9 @@ class Gate:
                                     for check in verdict.advisories)
         return outcome
 
-    def _baselines(self, test: TestRun, notes: list[str], problems: list[str],
-                   warnings: list[str]) -> dict[int, Entry]:
-        """Stored entries comparable with this run (same GPU model; host: same architecture);
-        missing ones (or ones of another metric) warn, or fail in CI."""
+    def _baselines(self, test: TestRun) -> tuple[dict[int, Entry], Findings]:
+        """Stored entries comparable with this run (same GPU model; host: same architecture), and
+        what to say of the missing ones (or ones of another metric): a warning, or a failure in CI."""
         stored: dict[int, Entry] = {}
         missing: list[int] = []
         other_metric: list[str] = []
@@ -156,43 +174,42 @@ class Gate:
             stored[result.world_size] = entry
         where = f"{test.test_id} on {platform} in {self.store.file_for(test.test_id)}"
         refresh = f"`gpumem refresh {test.test_id}` and commit the file"
+        found = Findings()
         if other_metric:
-            self._unmatched(f"baseline of {where} was measured another way ({'; '.join(other_metric)}): "
-                            f"not compared; record it again with {refresh}", problems, warnings, always_say=True)
+            found += self._unmatched(f"baseline of {where} was measured another way ({'; '.join(other_metric)}): "
+                                     f"not compared; record it again with {refresh}", always_say=True)
         if missing:
             elsewhere = [p for p in self.store.platforms(test.test_id) if p != platform]
             if elsewhere:
-                notes.append(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
-                             f"not compared on {platform}")
-            self._unmatched(f"no baseline stored for {test.test_id} on {platform} at "
-                            f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
-                            f"record it with {refresh}", problems, warnings)
-        return stored
+                found += Findings(notes=(f"baselines exist only for other platforms ({', '.join(elsewhere)}); "
+                                         f"not compared on {platform}",))
+            found += self._unmatched(f"no baseline stored for {test.test_id} on {platform} at "
+                                     f"nproc={', '.join(map(str, missing))} in {self.store.file_for(test.test_id)}: "
+                                     f"record it with {refresh}")
+        return stored, found
 
-    def _tolerance(self, test: TestRun, world_size: int, entry: Entry, notes: list[str]) -> Tolerance:
-        """The tolerance this size's baseline comparison uses: the test's own, or for ``auto`` the
-        exact one where the compared figure reads the same on every rerun (a host figure of live
-        allocations, against a baseline from the same CPU model), else the moving one."""
+    def _tolerance(self, test: TestRun, world_size: int, entry: Entry) -> tuple[Tolerance, str | None]:
+        """The tolerance this size's baseline comparison uses, and a note where the reader should
+        know why: the test's own, or for ``auto`` the exact one where the compared figure reads the
+        same on every rerun (a host figure of live allocations, against a baseline from the same CPU
+        model), else the moving one."""
         tolerance = test.spec.tolerance
         if not tolerance.auto:
-            return tolerance
+            return tolerance, None
         result = next((r for r in test.results if r.world_size == world_size and not r.predicted), None)
         if result is None or result.device != "cpu" or entry.device != "cpu":
-            return tolerance.resolve(exact=False)  # a GPU's device figure moves between launches
+            return tolerance.resolve(exact=False), None  # a GPU's device figure moves between launches
         if not is_allocation_method(_gated_method(result, test.spec.rank)):
-            return tolerance.resolve(exact=False)  # a resident set wanders with the page cache
+            return tolerance.resolve(exact=False), None  # a resident set wanders with the page cache
         here, there = test.provenance.get("cpu_model"), entry.provenance.get("cpu_model")
         if not (here and there):
-            return tolerance.resolve(exact=False)  # a CPU model unrecorded: it may be another one
+            return tolerance.resolve(exact=False), None  # a CPU model unrecorded: it may be another one
         if here != there:
             loose = tolerance.resolve(exact=False)
-            note = (f"the baseline was recorded on another CPU model ({there}; this run: {here}): compared at "
-                    f"tolerance {loose}, the width MKL's code paths need between CPU models; "
-                    f"`gpumem refresh` on this machine compares at {tolerance.resolve(exact=True)}")
-            if note not in notes:
-                notes.append(note)
-            return loose
-        return tolerance.resolve(exact=True)
+            return loose, (f"the baseline was recorded on another CPU model ({there}; this run: {here}): compared "
+                           f"at tolerance {loose}, the width MKL's code paths need between CPU models; "
+                           f"`gpumem refresh` on this machine compares at {tolerance.resolve(exact=True)}")
+        return tolerance.resolve(exact=True), None
 
     def _fake_gpu_difference(self, test: TestRun) -> list[str]:
         """On a real GPU, where the same test has a fake GPU's baseline of this model (the CPU gate's):
@@ -219,24 +236,23 @@ class Gate:
         return [f"fake GPU vs this GPU: the {fake_platform} baseline's allocator figure vs this run's, "
                 + "; ".join(parts)]
 
-    def _unlaunched(self, test: TestRun, problems: list[str], warnings: list[str]) -> None:
+    def _unlaunched(self, test: TestRun) -> Findings:
         """Sizes neither launched, simulated nor predicted: shown always; where nothing above
         nproc=1 was gated, a failure in CI (gpumem_unlaunched), since a regression there would pass."""
         text = "; ".join(f"nproc={n} not launched: {why}" for n, why in sorted(test.unlaunched.items()))
         gated = any(r.world_size > 1 and r.gated(test.spec.rank)[1] is not None for r in test.results)
         if not gated and self.settings.fail_on_unlaunched:
-            problems.append(f"gpumem: nothing above nproc=1 was gated: {text} (fails when CI is set; "
-                            "gpumem_unlaunched=warn accepts it, simulate='auto' runs torch sizes as a simulated world)")
-        else:
-            warnings.append(text)
+            return Findings(problems=(f"gpumem: nothing above nproc=1 was gated: {text} (fails when CI is set; "
+                                      "gpumem_unlaunched=warn accepts it, simulate='auto' runs torch sizes as a "
+                                      "simulated world)",))
+        return Findings(warnings=(text,))
 
-    def _unmatched(self, text: str, problems: list[str], warnings: list[str], always_say: bool = False) -> None:
+    def _unmatched(self, text: str, always_say: bool = False) -> Findings:
         """A size with no comparable baseline: a failure in CI (configurable), a warning otherwise."""
         mode = self.settings.fail_on_missing_baseline
         if mode:
-            problems.append(text + " (fails when CI is set; gpumem_missing_baseline=warn to relax)")
-        elif mode is False or always_say:
-            warnings.append(text)
+            return Findings(problems=(text + " (fails when CI is set; gpumem_missing_baseline=warn to relax)",))
+        return Findings(warnings=(text,)) if mode is False or always_say else Findings()
 
     def _refresh(self, test: TestRun) -> dict[int, tuple[Entry | None, Entry]]:
         spec = test.spec

@@ -111,7 +111,7 @@ def test_lifecycle(pytester, job, monkeypatch, launch_tag):
 def test_broken_file_fails_with_file_and_field_and_is_never_overwritten(pytester, job, launch_tag):
     stored = pytester.path / "baselines" / "test_job.py.json"
     stored.parent.mkdir()
-    broken = '{"schema": 1, "tests": {"test_job": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
+    broken = '{"schema": 2, "tests": {"test_job": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
     stored.write_text(broken)
     for extra in ((), ("--gpumem-refresh",)):
         result = run(pytester, *extra)
@@ -139,7 +139,7 @@ def test_other():
 ''')
     stored = pytester.path / "baselines" / "test_job.py.json"
     stored.parent.mkdir()
-    broken = '{"schema": 1, "tests": {"test_sizes": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
+    broken = '{"schema": 2, "tests": {"test_sizes": {"cpu:x": {"2": {"gated_mib": "lots"}}}}}\n'
     stored.write_text(broken)
     for extra, what in (((), "file unusable (left untouched)"), (("--gpumem-refresh",), "not refreshed (file left "
                                                                                         "untouched)")):
@@ -159,7 +159,7 @@ def test_other():
 def test_truncated_file_names_line_and_column(pytester, job, launch_tag):
     stored = pytester.path / "baselines" / "test_job.py.json"
     stored.parent.mkdir()
-    stored.write_text('{"schema": 1, "tests": {"test_j')
+    stored.write_text('{"schema": 2, "tests": {"test_j')
     result = run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*test_job.py.json*line 1 column*"])

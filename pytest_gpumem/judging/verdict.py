@@ -440,7 +440,7 @@ def judge(
                       value, result.read(spec.rank, figure)[0], figure, reference)
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
-            _baseline_checks(spec, result, base, check, extra_notes)
+            extra_notes += _baseline_checks(spec, result, base, check)
     fake = [r for r in results if r.fake_gpu]
     if fake:
         sizes = ", ".join(str(r.world_size) for r in fake)
@@ -459,7 +459,7 @@ def judge(
     return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes))
 
 
-def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any, notes: list[str]) -> None:
+def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any) -> list[str]:
     """The stored figure(s): the device (or host) figure at ``tolerance``, and on a GPU, where both
     the baseline and this run have it, the allocator figure at its own, tighter tolerance."""
     pairs = []
@@ -470,6 +470,7 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
         if figure == ALLOCATED:
             tolerance = base.allocated_tolerance or spec.allocated_tolerance
             pairs.append((label, value, figure, base.allocated_mib, tolerance))
+    notes = []
     for label, value, figure, stored, tolerance in pairs:
         if value is None:
             continue
@@ -484,3 +485,4 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
                 f"{label} at nproc={result.world_size}: {what} {value:.1f} MiB is below the baseline "
                 f"{stored:.1f} MiB by more than {tolerance.explain(stored)}; refresh the baseline to tighten it"
             )
+    return notes

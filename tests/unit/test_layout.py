@@ -163,3 +163,21 @@ def test_no_class_is_over_250_lines():
             for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno + 1 > 250]
     assert long == [], "split: " + ", ".join(long)
+
+
+def test_no_function_fills_a_list_or_dict_it_was_handed():
+    """Steps return what they found and the caller gathers it (issue 37: the gate's helpers filled
+    the problems, warnings and notes they were handed, so a reader had to follow every call)."""
+    mutators = {"append", "extend", "insert", "update", "setdefault", "add"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = {a.arg for a in fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in mutators and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id in params):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {fn.name} fills {node.func.value.id}")
+    assert found == [], "return it instead: " + "; ".join(found)
