@@ -17,7 +17,7 @@ from .judging.baseline import BaselineError, BaselineStore, Entry
 from .judging.explain import CONFIG_PREFIX, config_provenance, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
-from .launching.runner import SizeRun, TestRun
+from .launching.runner import TestRun
 from .oneflow import boxing
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
@@ -367,14 +367,9 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         audited = next((r for r in by_size if r.boxings), None)
     if audited is not None:
         size = audited.launch.nproc
-        old, against = _boxing_reference(audited, test.runs, stored.get(size))
-        found = boxing.explain(old, audited.boxings)
-        if found:
-            lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:")
-            lines.extend(f"    {line}" for line in found)
-        else:
-            lines.append(f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}: "
-                         "no new or grown conversions; the memory came from elsewhere")
+        entry = stored.get(size)
+        smaller = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
+        lines.extend(boxing.failure_lines(size, audited.boxings, entry.provenance if entry else None, smaller))
     snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
                  if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
     if snapshots:
@@ -384,18 +379,6 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
                      "commit the baseline file with the change")
     return "\n".join(lines)
-
-
-def _boxing_reference(audited: SizeRun, runs: list[SizeRun], entry: Entry | None) -> tuple[dict[str, int], str]:
-    """The baseline's audit when it has one, else the smallest launched size's (one rank: none)."""
-    old = boxing.from_provenance(entry.provenance) if entry is not None else None
-    if old is not None:
-        return old, "against the baseline"
-    smaller = [r for r in runs if r.launch.nproc < audited.launch.nproc]
-    if not smaller:
-        return {}, "(no audited baseline to compare)"
-    smallest = min(smaller, key=lambda r: r.launch.nproc)
-    return boxing.summarize(smallest.boxings), f"against nproc={smallest.launch.nproc} (no audited baseline)"
 
 
 _MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved

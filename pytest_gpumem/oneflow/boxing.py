@@ -53,7 +53,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -629,3 +629,22 @@ class _GraphImportWatcher:
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader instance
         return spec
+
+
+def failure_lines(size: int, boxings: Sequence[Boxing | Mapping[str, Any]], baseline: Mapping[str, str] | None,
+                  smaller: Sequence[tuple[int, Sequence[Boxing | Mapping[str, Any]]]]) -> list[str]:
+    """A failure's nn.Graph section for the audited size: its new or grown conversions against the
+    baseline's audit (its provenance), else against the smallest launched size's (one rank: none)."""
+    old = from_provenance(baseline) if baseline is not None else None
+    if old is not None:
+        against = "against the baseline"
+    elif smaller:
+        n, first = min(smaller, key=lambda pair: pair[0])
+        old, against = summarize(first), f"against nproc={n} (no audited baseline)"
+    else:
+        old, against = {}, "(no audited baseline to compare)"
+    found = explain(old, boxings)
+    if not found:
+        return [f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}: "
+                "no new or grown conversions; the memory came from elsewhere"]
+    return [f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}:", *(f"    {line}" for line in found)]
