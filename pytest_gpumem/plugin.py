@@ -252,6 +252,7 @@ class ParentSide:
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[TestRecord] = []
+        self._built: dict[str, TestRecord] = {}  # node id -> its record, until its call report is logged
         self.plots_written: list[Path] = []
         self.is_worker = hasattr(config, "workerinput")
         self._machinery: tuple[Gate, Runner] | None = None
@@ -333,7 +334,10 @@ class ParentSide:
         """The outcome as pytest's: the record on the report, then skip, fail or warnings."""
         from .presentation import outputs
 
-        item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record.to_json())))
+        if self.is_worker:  # the record travels to the xdist controller as JSON; here it is kept as it is
+            item.user_properties.append((_RECORD_KEY, json.dumps(outcome.record.to_json())))
+        else:
+            self._built[item.nodeid] = outcome.record
         item.user_properties.extend(outputs.junit_properties(outcome.record))
         if outcome.skip_reason is not None:
             pytest.skip(outcome.skip_reason)
@@ -354,16 +358,19 @@ class ParentSide:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
-        for key, value in report.user_properties:
-            if key == _RECORD_KEY:
-                from .judging.record_reader import read_record
+        rec = self._built.pop(report.nodeid, None)  # built in this process: no JSON round trip
+        if rec is None:
+            sent = [value for key, value in report.user_properties if key == _RECORD_KEY]  # from an xdist worker
+            if not sent:
+                return
+            from .judging.record_reader import read_record
 
-                rec = read_record(json.loads(str(value)), report.nodeid)
-                if hasattr(report, "wasxfail"):
-                    rec = rec.with_status("xfailed" if report.skipped else "xpassed")
-                elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it
-                    rec = rec.with_status("failed", "xpass-strict")
-                self.records.append(rec)
+            rec = read_record(json.loads(str(sent[0])), report.nodeid)
+        if hasattr(report, "wasxfail"):
+            rec = rec.with_status("xfailed" if report.skipped else "xpassed")
+        elif report.failed and rec.status == "passed":  # xfail(strict=True) passed: pytest fails it
+            rec = rec.with_status("failed", "xpass-strict")
+        self.records.append(rec)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
