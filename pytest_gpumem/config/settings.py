@@ -276,7 +276,7 @@ OPTIONS: tuple[Option, ...] = (
            "a simulated world. auto: where this machine has no GPU; on: always; off: never. A marker's "
            "fake_gpu wins"),
     Option("fake_gpu_model", "--gpumem-fake-gpu-model", "GPUMEM_FAKE_GPU_MODEL", "gpumem_fake_gpu_model",
-           str, "NVIDIA H200", "a GPU model built in or in the baselines' gpumem-calibration.json",
+           str, "NVIDIA H200", "a GPU model built in, or one gpumem calibrate recorded",
            "the GPU model a fake GPU emulates (its properties and library workspaces; gpumem calibrate "
            "records another)"),
     Option("unlaunched", "--gpumem-unlaunched", "GPUMEM_UNLAUNCHED", "gpumem_unlaunched",
