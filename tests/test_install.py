@@ -63,8 +63,10 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     assert result["code"] == 0, out
     ours = {m for m in result["modules"] if m.startswith("pytest_gpumem")}
     # (protocol: the rank files' names and readers, standard library only; the rank side uses it;
-    # fakegpu.models: the fake GPU's model checked at configure, standard library only)
-    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.config", "pytest_gpumem.config.settings",
+    # fakegpu.models: the fake GPU's model checked at configure, standard library only; hookspecs: the
+    # pytest_gpumem_launchers spec, pluggy only)
+    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.hookspecs", "pytest_gpumem.config",
+                    "pytest_gpumem.config.settings",
                     "pytest_gpumem.config.spec", "pytest_gpumem.rankside", "pytest_gpumem.rankside.protocol",
                     "pytest_gpumem.rankside.rank", "pytest_gpumem.rankside.fakegpu",
                     "pytest_gpumem.rankside.fakegpu.models"}, ours
