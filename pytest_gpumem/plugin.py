@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import pytest
 
 from .config import settings as settings_mod
-from .config.spec import Spec, SpecError, marker_signature, parse_marker
+from .config.spec import LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank, startup_ended
 
 if TYPE_CHECKING:
@@ -67,8 +67,6 @@ def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[
     points, and those the conftests and plugins give (``pytest_gpumem_launchers``), registered
     until the session ends."""
     import importlib.metadata
-
-    from .config.spec import LAUNCHERS
 
     names = set(LAUNCHERS) | {p.name for p in importlib.metadata.entry_points(group="pytest_gpumem.launchers")}
     given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
@@ -248,7 +246,7 @@ class ParentSide:
                  launchers: tuple[str, ...] = ()) -> None:
         self.config = config
         self.settings = resolved
-        self.defaults = resolved.defaults(launchers) if launchers else resolved.defaults()  # once
+        self.defaults = resolved.defaults(launchers or LAUNCHERS)  # what a marker leaves out, resolved once
         self.specs: dict[str, Spec] = {}
         self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
         self.records: list[TestRecord] = []
@@ -263,9 +261,9 @@ class ParentSide:
         if self._machinery is None:
             from . import session
 
-            built = session.Session.from_settings(self.settings, rootdir=Path(self.config.rootpath),
-                                  cwd=Path(self.config.invocation_params.dir),
-                                  rank_pytest_args=self.rank_pytest_args, start_refusal=self._fork_refusal())
+            built = session.Session.from_settings(
+                self.settings, rootdir=Path(self.config.rootpath), cwd=Path(self.config.invocation_params.dir),
+                rank_pytest_args=self.rank_pytest_args, start_refusal=self._fork_refusal())
             self._machinery = (built.gate, built.runner)
         return self._machinery
 
