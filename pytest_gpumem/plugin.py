@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import pytest
 
 from .config import settings as settings_mod
-from .config.spec import LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
+from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
 from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank, startup_ended
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[
     until the session ends."""
     import importlib.metadata
 
-    names = set(LAUNCHERS) | {p.name for p in importlib.metadata.entry_points(group="pytest_gpumem.launchers")}
+    names = set(LAUNCHERS) | {p.name for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)}
     given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
     if given:  # the registry (and every launcher module) is imported only where one is added
         from .launching import launcher

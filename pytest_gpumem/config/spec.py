@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
+LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
 DEVICES = ("auto", "gpu", "cpu")
 # How a world size is run (rankside.simulate): for real (every rank launched), simulated (the gated
 # rank, or every rank for rank="all", alone with a stand-in communicator), or auto: for real where

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
+from ..config.spec import LAUNCHER_ENTRY_POINTS
 from .launch import describe_returncode
 
 if TYPE_CHECKING:
@@ -92,9 +93,6 @@ def register(cls: C) -> C:
     return cls
 
 
-ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
-
-
 def add(made: Launcher, source: str, name: str | None = None) -> None:
     """A launcher from outside the package (``source``: the plugin or entry point that gave it;
     ``name``: the entry point's, which must be the launcher's)."""
@@ -129,7 +127,7 @@ def _load() -> None:
 
         for module in pkgutil.iter_modules(launchers.__path__):
             importlib.import_module(f"{launchers.__name__}.{module.name}")
-        for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        for point in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS):
             given = point.load()
             add(given() if isinstance(given, type) else given, f"entry point {point.name} ({point.value})", point.name)
 
