@@ -291,21 +291,23 @@ def _steady_sites(old: Entry, new: Entry) -> Entry:
 
 
 def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
-    """GPU sizes whose failure would be explained by peak sites they do not have (and nproc=1 for a
-    scaling failure, the sites they are compared with)."""
+    """GPU sizes whose failure would be explained by peak sites they do not have (and the ratio's
+    reference for a scaling failure, the sites they are compared with)."""
     if test.problems or outcome.record.status in ("ERROR", "skip"):
         return set()
     failing = {s.nproc for s in outcome.record.sizes if s.failed and not s.predicted}
     by_size = {r.world_size: r for r in test.results if not r.predicted}
     wanted = {n for n in failing if n in by_size}
-    if any(c.kind == "max_ratio" and not c.ok for s in outcome.record.sizes for c in s.checks) and 1 in by_size:
-        wanted.add(1)
+    ref = test.spec.reference
+    if any(c.kind == "max_ratio" and not c.ok for s in outcome.record.sizes for c in s.checks) and ref in by_size:
+        wanted.add(ref)
     return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}
 
 
 def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
-    """The gated rank's peak sites that grew at the failing size: against nproc=1 for a scaling
-    failure, against the baseline's sites for a baseline failure (see judging/growth.py)."""
+    """The gated rank's peak sites that grew at the failing size: against the ratio's reference (nproc=1
+    unless the marker names one) for a scaling failure, against the baseline's sites for a baseline
+    failure (see judging/growth.py)."""
     by_size = {r.world_size: r for r in test.results if not r.predicted}
     failing = sorted({c.world_size for c in verdict.failures}, reverse=True)
     if not by_size or not failing:
@@ -318,11 +320,12 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
         return None
     kinds = {c.kind for c in verdict.failures if c.world_size == size}
     entry = stored.get(size)
-    one = by_size.get(1)
+    ref = test.spec.reference
+    one = by_size.get(ref)
     if "baseline" in kinds and entry is not None and entry.sites:
         return _against_baseline(entry, new)
-    if size > 1 and one is not None and one.sites.get(0):
-        return growth_mod.site_growth(one.sites[0], new, "nproc=1")
+    if size > ref and one is not None and one.sites.get(0):
+        return growth_mod.site_growth(one.sites[0], new, f"nproc={ref}")
     if entry is not None and entry.sites:
         return _against_baseline(entry, new)
     return None

@@ -324,3 +324,42 @@ def test_fsdp2(group):
         loss.backward()
         opt.step()
 '''
+
+
+# A tensor-parallel job whose smallest world is 2: a (dp, tp=2) mesh, ColwiseParallel/RowwiseParallel
+# on "tp", fully_shard on "dp"; its ratio is taken against nproc=2 (reference=2), dp scaling with tp
+# fixed. The inflated twin gathers every dp rank's 32 MiB activation (grows with dp, as boxing did).
+TORCH_TP = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+TP = 2
+
+
+def tp_job(gather_over_dp=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel(),
+                                         "2": ColwiseParallel(), "3": RowwiseParallel()})
+    fully_shard(net, mesh=mesh["dp"])
+    local = torch.ones(32 * MiB // 4)                    # this rank's activation
+    kept = []
+    if gather_over_dp:                                    # the regression: every dp rank keeps them all
+        kept = [torch.empty_like(local) for _ in range(mesh["dp"].size())]
+        dist.all_gather(kept, local, group=mesh["dp"].get_group())
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(3):
+        net(torch.ones(64, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert len(kept) == (mesh["dp"].size() if gather_over_dp else 0)
+    dist.destroy_process_group()
+'''

@@ -158,7 +158,8 @@ OPTIONS: tuple[Option, ...] = (
            "(reported before its fixtures' teardown) or a rank died; then the launch is ended"),
     Option("max_ratio", "--gpumem-max-ratio", "GPUMEM_MAX_RATIO", "gpumem_max_ratio",
            _ratio, "none", "a number > 0, or none",
-           "default cap on peak(N)/peak(1) of the gated rank (none: no ratio check)"),
+           "default cap on peak(N)/peak(reference) of the gated rank (none: no ratio check; the "
+           "reference is nproc=1 unless the marker names one)"),
     Option("allow_mib", "--gpumem-allow-mib", "GPUMEM_ALLOW_MIB", "gpumem_allow_mib",
            _non_negative_float, "0", "a number of MiB >= 0",
            "default MiB allowed on top of the ratio for buffers that exist only when N > 1"),

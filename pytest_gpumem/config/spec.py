@@ -179,6 +179,7 @@ class Spec:
     allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
     simulate: str = "auto"
     fake_gpu: str = "auto"
+    reference: int = 1  # the world size max_ratio is taken against: 1, or a listed size the job can run at
 
     def figure(self, limit: str) -> str:
         """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
@@ -186,10 +187,11 @@ class Spec:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """World sizes to launch: the requested ones plus 1 when a ratio needs its reference."""
+        """World sizes to launch: the requested ones, plus nproc=1 when the ratio is taken against it
+        and the list lacks it (a reference above 1 is always a listed size)."""
         sizes = set(self.nproc)
         if self.max_ratio is not None:
-            sizes.add(1)
+            sizes.add(self.reference)
         return tuple(sorted(sizes))
 
     @property
@@ -217,11 +219,15 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "the world sizes to launch"),
     MarkerArgument("max_mib", "None", "a number > 0", "cap on the gated rank's peak, in MiB, at every launched size"),
     MarkerArgument("max_ratio", "[gpumem_max_ratio]", "a number > 0, or None (no ratio check)",
-                   "cap on peak(N) / peak(1) of the gated rank; the nproc=1 reference is launched when the "
-                   "list lacks it, and reused by later tests with the same launch parameters"),
+                   "cap on peak(N) / peak(reference) of the gated rank at each listed N above the reference; "
+                   "an nproc=1 reference is launched when the list lacks it (the report says so), and reused by "
+                   "later tests with the same launch parameters"),
+    MarkerArgument("reference", "1", "1, or a listed nproc below the largest one",
+                   "the world size the ratio is taken against: a job that cannot run at one rank (tensor, "
+                   "pipeline, expert parallel) names its smallest size, e.g. nproc=[2, 8], reference=2"),
     MarkerArgument("allow_mib", "[gpumem_allow_mib]", "a number >= 0",
                    "MiB allowed on top of the ratio for buffers that exist only when N > 1: the gate is "
-                   "peak(N) <= max_ratio * peak(1) + allow_mib"),
+                   "peak(N) <= max_ratio * peak(reference) + allow_mib"),
     MarkerArgument("rank", "0", "an int below the smallest nproc, or 'all'",
                    "the rank that gates; 'all' gates the largest rank peak"),
     MarkerArgument("device", "[gpumem_device]", "one of " + ", ".join(DEVICES),
@@ -319,6 +325,7 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     allow = kw.get("allow_mib", defaults.allow_mib)
     allow_mib = _number("allow_mib", allow, positive=True, allow_zero=True)
 
+    reference = _reference(kw.get("reference"), nproc, max_ratio)
     rank = kw.get("rank", 0)
     if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise SpecError(f"rank={rank!r} is not accepted: expected an int >= 0 or 'all'")
@@ -326,6 +333,12 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         raise SpecError(
             f"rank={rank!r} is not accepted: the smallest world size launched is {min(nproc)}, "
             f"so rank must be below it (or 'all')"
+        )
+    if isinstance(rank, int) and max_ratio is not None and rank >= reference:
+        raise SpecError(
+            f"rank={rank!r} is not accepted with max_ratio: the ratio's reference is nproc={reference}, "
+            f"which has no rank {rank}; name a listed size as the reference (reference={min(nproc)}) "
+            "or gate a lower rank"
         )
 
     device = kw.get("device", defaults.device)
@@ -412,5 +425,25 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         allocated_tolerance=allocated_tolerance,
         simulate=simulate,
         fake_gpu=fake_gpu,
+        reference=reference,
     )
+
+
+def _reference(value: Any, nproc: tuple[int, ...], max_ratio: float | None) -> int:
+    """The size the ratio is taken against: 1 (launched when unlisted), or a listed size below the largest."""
+    if value is None:
+        return 1
+    listed = ", ".join(map(str, nproc))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"reference={value!r} is not accepted: expected 1 or one of the listed sizes ({listed})")
+    if max_ratio is None:
+        raise SpecError(f"reference={value!r} is not accepted without max_ratio: the reference is the size the "
+                        "ratio is taken against; set max_ratio (or gpumem_max_ratio), or leave reference out")
+    if value != 1 and value not in nproc:
+        raise SpecError(f"reference={value!r} is not accepted: it is not among nproc=[{listed}]; a reference "
+                        f"above 1 is launched as one of the listed sizes, so list it or take one of {listed}")
+    if value >= max(nproc):
+        raise SpecError(f"reference={value!r} is not accepted: the ratio gates the sizes above its reference, "
+                        f"and nproc=[{listed}] has none above {value}; take a smaller one")
+    return value
 # pragma: no mutate end

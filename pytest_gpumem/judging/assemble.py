@@ -106,7 +106,7 @@ def build(test: Run, verdict: Verdict | None, status: Status, *, cause: Cause | 
         nproc=tuple(spec.nproc),
         launcher=spec.launcher,
         limits=Limits(spec.max_mib, spec.max_ratio, spec.allow_mib, spec.rank, str(spec.tolerance),
-                      str(spec.allocated_tolerance)),
+                      str(spec.allocated_tolerance), spec.reference),
         sizes=tuple(sizes),
         provenance=dict(test.provenance),
         messages=tuple(messages),
@@ -121,8 +121,8 @@ def build(test: Run, verdict: Verdict | None, status: Status, *, cause: Cause | 
 
 
 def _ratio_figure(results: Sequence[SizeResult], result: SizeResult, spec: Spec) -> str:
-    one = next((r for r in results if r.world_size == 1), None)
-    if one is None or result.world_size == 1:
+    one = next((r for r in results if r.world_size == spec.reference), None)
+    if one is None or result.world_size <= spec.reference:
         return ""
     return ratio_figures(spec, one, result)[2]
 

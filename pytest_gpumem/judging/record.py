@@ -46,6 +46,7 @@ class Limits:
     rank: int | str = 0  # an int, or "all": the largest rank
     tolerance: str = str(DEFAULT_TOLERANCE)
     allocated_tolerance: str = str(DEFAULT_ALLOCATED_TOLERANCE)
+    reference: int = 1  # the world size the ratio is taken against
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class SizeRecord:
     gated_mib: float | None
     ranks: Mapping[int, Peak] = field(default_factory=dict)
     checks: tuple[CheckRecord, ...] = ()
-    ratio: float | None = None  # the ratio limit's figure over its nproc=1 value
+    ratio: float | None = None  # the ratio limit's figure over its value at the reference size
     ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
     baseline_mib: float | None = None
     others_max_mib: float | None = None
@@ -247,7 +248,8 @@ class TestRecord:
             "launcher": self.launcher,
             "limits": {"max_mib": self.limits.max_mib, "max_ratio": self.limits.max_ratio,
                        "allow_mib": self.limits.allow_mib, "rank": self.limits.rank,
-                       "tolerance": self.limits.tolerance, "allocated_tolerance": self.limits.allocated_tolerance},
+                       "tolerance": self.limits.tolerance, "allocated_tolerance": self.limits.allocated_tolerance,
+                       "reference": self.limits.reference},
             "sizes": [_size_json(s) for s in self.sizes],
             "provenance": dict(self.provenance),
             "messages": list(self.messages),

@@ -139,9 +139,13 @@ class _Reader(_Fields):
                 parse_tolerance(value)
             except SpecError as exc:
                 self.problems.append(f"{where}.{key}: {exc}")
+        reference = raw.get("reference", 1)
+        if isinstance(reference, bool) or not isinstance(reference, int) or reference < 1:
+            self.bad(f"{where}.reference", "an integer >= 1", reference)
+            reference = 1
         return Limits(max_mib=self.number(raw, "max_mib", where), max_ratio=self.number(raw, "max_ratio", where),
                       allow_mib=self.number(raw, "allow_mib", where) or 0.0, rank=rank, tolerance=str(tolerance),
-                      allocated_tolerance=str(allocated))
+                      allocated_tolerance=str(allocated), reference=reference)
 
     def check(self, raw: Any, where: str) -> CheckRecord:
         raw = self.obj(raw, where)

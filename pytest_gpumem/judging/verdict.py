@@ -277,11 +277,12 @@ class Verdict:
         return max((check.digits for check in self.checks if not check.ok), default=DIGITS)
 
     def ratio(self, world_size: int) -> float | None:
-        """peak(N) / peak(1) in the figure the ratio limit reads (see :func:`ratio_figures`)."""
+        """peak(N) / peak(reference) in the figure the ratio limit reads (see :func:`ratio_figures`)."""
         by_size = {r.world_size: r for r in self.results}
-        if world_size == 1 or 1 not in by_size or world_size not in by_size:
+        ref = self.spec.reference
+        if world_size <= ref or ref not in by_size or world_size not in by_size:
             return None
-        base, value, _ = ratio_figures(self.spec, by_size[1], by_size[world_size])
+        base, value, _ = ratio_figures(self.spec, by_size[ref], by_size[world_size])
         if base is None or value is None or base <= 0:
             return None
         return value / base
@@ -373,7 +374,7 @@ def simulated_ranks(result: SizeResult) -> str:
 
 
 def ratio_figures(spec: Spec, one: SizeResult, result: SizeResult) -> tuple[float | None, float | None, str]:
-    """(peak at nproc=1, peak at N, the figure) for the ratio: both sides read the same figure, so
+    """(peak at the reference size, peak at N, the figure) for the ratio: both sides read the same figure, so
     when one side has no allocator figure both read the device figure."""
     _, base, base_figure = one.read(spec.rank, spec.figure("max_ratio"))
     _, value, figure = result.read(spec.rank, spec.figure("max_ratio"))
@@ -394,7 +395,8 @@ def judge(
     checks: list[Check] = []
     extra_notes = list(notes)
     by_size = {r.world_size: r for r in results}
-    one = by_size.get(1)
+    ref = spec.reference
+    one = by_size.get(ref)  # what the ratio is taken against: nproc=1 unless the marker names a reference
     for result in sorted(results, key=lambda r: r.world_size):
         n = result.world_size
         label, mib = result.gated(spec.rank)
@@ -414,27 +416,27 @@ def judge(
             if value is not None:
                 check("max_mib", spec.max_mib, value <= spec.max_mib, "max_mib {limit} MiB", value,
                       who, figure)
-        if spec.max_ratio is not None and n > 1 and one is not None:
+        if spec.max_ratio is not None and n > ref and one is not None:
             reference, value, figure = ratio_figures(spec, one, result)
             who = result.read(spec.rank, figure)[0]
             if reference is not None and value is not None:
                 limit = spec.max_ratio * reference + spec.allow_mib
                 ratio = (f"ratio {value / reference:.2f}x" if reference > 0
-                         else "no ratio: the nproc=1 peak is 0 MiB")
+                         else f"no ratio: the nproc={ref} peak is 0 MiB")
                 check(
                     "max_ratio",
                     limit,
                     value <= limit,
-                    f"{spec.max_ratio:.2f} x {{reference}} MiB (nproc=1) + {spec.allow_mib:.0f} MiB"
+                    f"{spec.max_ratio:.2f} x {{reference}} MiB (nproc={ref}) + {spec.allow_mib:.0f} MiB"
                     f" = {{limit}} MiB ({ratio})",
                     value, who, figure, reference,
                 )
-        if result.uncounted and n > 1 and one is not None and not one.simulated:
+        if result.uncounted and n > ref and one is not None and not one.simulated:
             reference, value, figure = ratio_figures(spec, one, result)
             if reference is not None and value is not None and value < reference:
                 skipped = ", ".join(result.uncounted)
                 check(UNCOUNTED, None, False,
-                      f"nproc=1's {{reference}} MiB: without its {skipped} (not run in the simulated world, its "
+                      f"nproc={ref}'s {{reference}} MiB: without its {skipped} (not run in the simulated world, its "
                       "buffers not counted) no limit can gate this size; run it for real (simulate='off' on "
                       "enough GPUs) or leave it out of nproc",
                       value, result.read(spec.rank, figure)[0], figure, reference)

@@ -84,6 +84,8 @@ class Runner:
                 run = self._launch(test_id, spec, nproc, plan)
                 if nproc == 1 and not run.problems and run.all_skipped is None:
                     self._references[key] = run
+                if nproc not in spec.nproc and run.problems:
+                    run.problems.append(unlisted_reference(spec, nproc))
             test.runs.append(run)
             skipped = run.all_skipped
             if skipped is not None:
@@ -179,3 +181,11 @@ class Runner:
         run = self.launches.launch(test_id, spec, nproc, plan, history=history, simulated=simulated, startup=startup)
         run.notes += self.startups.take_notes()
         return run
+
+
+def unlisted_reference(spec: Spec, nproc: int) -> str:
+    """Why a size nobody listed was launched, and how a job that cannot run there says so."""
+    listed = ", ".join(map(str, spec.nproc))
+    return (f"nproc={nproc} is not in the marker's nproc=[{listed}]: it was launched as max_ratio's reference; "
+            f"a job that cannot run at {nproc} rank takes its ratio against a listed size: "
+            f"reference={min(spec.nproc)}")

@@ -97,20 +97,20 @@ def plan(spec: Spec, capacity: Capacity) -> Plan:
     """Every size that fits is launched; the others are simulated (``simulate``), else predicted from
     at least two launched sizes, else shown as not launched. Nothing that fits is skipped."""
     if capacity.fake(spec):  # nothing launched for real: every size, 1 too, a fake GPU's simulated world
-        return Plan(replace(spec, nproc=(), max_ratio=None), simulated=spec.sizes, fake=True,
+        return Plan(launching(spec, ()), simulated=spec.sizes, fake=True,
                     why="a fake GPU" if spec.fake_gpu == "on" else "a fake GPU (this machine has no GPU)")
     cap, source = capacity.cap(spec)
     gpus = capacity.gpus(spec) if spec.simulate != "off" else None
     if spec.simulate == "on":  # every size above 1, whatever fits
         above = tuple(n for n in spec.sizes if n > 1)
-        return Plan(replace(spec, nproc=tuple(n for n in spec.nproc if n == 1)), simulated=above,
+        return Plan(launching(spec, (1,)), simulated=above,
                     why="simulate='on'", gpus=gpus)
     if cap is None or max(spec.sizes) <= cap:
         return Plan(spec)
     above = tuple(n for n in spec.sizes if n > cap)
     within = tuple(n for n in spec.sizes if n <= cap)
     head = f"needs more processes than can be launched here (at most {cap}: {source})"
-    launch = replace(spec, nproc=tuple(n for n in spec.nproc if n <= cap))
+    launch = launching(spec, within)
     if spec.simulate == "auto" and gpus is not None and cap == gpus:  # too few GPUs (not a cap asked for)
         return Plan(launch, simulated=above, why=head, gpus=gpus)
     if capacity.predict and len(within) >= 2:
@@ -119,6 +119,13 @@ def plan(spec: Spec, capacity: Capacity) -> Plan:
         "predicting needs at least two launched sizes")
     simulated = "simulate='off', and " if spec.simulate == "off" else ""
     return Plan(launch, unlaunched=above, why=f"{head}; {simulated}{off}")
+
+
+def launching(spec: Spec, sizes: tuple[int, ...]) -> Spec:
+    """``spec`` launching those of ``sizes`` it asks for and no other: the ratio (and the unlisted nproc=1
+    it adds) stays only where its reference is among them, else the reference runs simulated."""
+    keep = spec.max_ratio is not None and spec.reference in sizes
+    return replace(spec, nproc=tuple(n for n in spec.nproc if n in sizes), max_ratio=spec.max_ratio if keep else None)
 
 
 def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:

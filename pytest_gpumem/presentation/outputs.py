@@ -100,14 +100,20 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"
-        ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x"
-        nproc = f"{size.nproc}" + ("\\*" if size.reused else "")
+        ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x" + _against(record)
+        nproc = f"{size.nproc}" + ("\\*" if size.reused else "") + (" (reference)" if size.nproc not in record.nproc
+                                                                    else "")
         change = format_delta(delta(size.gated_mib, size.baseline_mib), digits)
         floor = [floor_split(size) or "-"] if with_floor else []
         cells = [test, nproc, peak, *floor, _mib(size.baseline_mib, digits), change, ratio,
                  _verdict_cell(record, verdict)]
         rows.append("| " + " | ".join(_cell(c) if i else c for i, c in enumerate(cells)) + " |")
     return rows
+
+
+def _against(record: TestRecord) -> str:
+    """`` to nproc=2`` where the ratio is not taken against nproc=1 (the column's default)."""
+    return "" if record.limits.reference == 1 else f" to nproc={record.limits.reference}"
 
 
 def _indent(text: str) -> str:
@@ -167,7 +173,10 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
         legend.append("\\* nproc=1 reference reused from an earlier launch with the same parameters")
     with_floor = any(floor_split(size) for rec in records for size in rec.sizes)
     legend.append("delta: gated peak minus the stored baseline of this platform; "
-                  "ratio: gated peak over the nproc=1 peak")
+                  "ratio: gated peak over the nproc=1 peak (or the reference the marker names)")
+    if any(size.nproc not in rec.nproc for rec in records for size in rec.sizes):
+        legend.append("(reference): not in the marker's nproc, launched because max_ratio is taken against it; "
+                      "a job that cannot run there names a listed size as its reference (reference=2)")
     if with_floor:
         legend.append("floor + job: the gated peak as what an empty job of the same framework takes at that size "
                       "(start-up, communicator; on GPU the CUDA context) plus the job's own")
@@ -220,7 +229,7 @@ def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
                 continue  # a chart of measurements: a predicted figure is not one
             extra = [size.device, size.gated_method or "method unknown", size.gated_label]
             if size.ratio is not None:
-                extra.append(f"ratio {size.ratio:.2f}x to nproc=1")
+                extra.append(f"ratio {size.ratio:.2f}x to nproc={rec.limits.reference}")
             if size.baseline_mib is not None:
                 extra.append(f"baseline {size.baseline_mib:.1f} MiB")
             extra.append(f"verdict {rec.size_verdict(size)}")

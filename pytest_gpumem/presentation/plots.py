@@ -77,7 +77,8 @@ def _limit_label(record: TestRecord, kind: str, limit: float, figure: str) -> st
     if kind == "max_mib":
         return f"max_mib {limit:.0f}{of}"
     if kind == "max_ratio":
-        return f"ratio limit {limits.max_ratio:.2f} x nproc=1 + {limits.allow_mib:.0f} = {limit:.0f}{of}"
+        return (f"ratio limit {limits.max_ratio:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
+                f"= {limit:.0f}{of}")
     return f"baseline + tolerance = {limit:.0f}{of}"
 
 
@@ -128,7 +129,7 @@ def y_scale(values: Iterable[float], limits: Iterable[float]) -> tuple[float | N
 
 def _size_title(record: TestRecord, size: SizeRecord) -> str:
     verdict = "FAIL" if size.failed else "ok"
-    ratio = "" if size.ratio is None else f", {size.ratio:.2f}x nproc=1"
+    ratio = "" if size.ratio is None else f", {size.ratio:.2f}x nproc={record.limits.reference}"
     if size.predicted:
         return (f"nproc={size.nproc} ({size.device} memory): PREDICTED, not launched: "
                 f"{size.gated_label} {size.gated_mib or 0:.1f} MiB{ratio} — {verdict}\n{size.basis}")

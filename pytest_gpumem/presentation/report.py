@@ -63,12 +63,13 @@ def table(records: Iterable[TestRecord]) -> list[str]:
             resident |= gated_rss or others_rss
             rows.append((
                 rec.test,
-                str(size.nproc) + ("*" if size.reused else ""),
+                str(size.nproc) + ("*" if size.reused else "") + (" ref" if size.nproc not in rec.nproc else ""),
                 f"{_mib(size.gated_mib, digits)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
                 _mib(size.others_max_mib, digits) + (" VmHWM" if others_rss else ""),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
-                                                                       else ""),
+                                                                       else "")
+                + ("" if rec.limits.reference == 1 else f" /{rec.limits.reference}"),
                 _mib(size.baseline_mib, digits),
                 size.device,
                 rec.size_verdict(size),
@@ -82,6 +83,11 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     out.extend(line(row) for row in rows)
     if any(size.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
+    if any(size.nproc not in rec.nproc for rec in records for size in rec.sizes):
+        out.append("ref: not in the marker's nproc, launched because max_ratio is taken against it; a job that "
+                   "cannot run there names a listed size as its reference (reference=2)")
+    if any(rec.limits.reference != 1 for rec in records):
+        out.append("/N: the ratio is taken against nproc=N, the reference the marker names")
     by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
     if by_allocator:
         peak = ("what nvidia-smi shows" if not any(size.fake_gpu for size in by_allocator) else

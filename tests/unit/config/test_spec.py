@@ -24,6 +24,12 @@ def test_ratio_adds_the_reference_size():
     assert s.nproc == (2, 8) and s.sizes == (1, 2, 8)
 
 
+def test_a_named_reference_launches_only_the_listed_sizes():
+    s = spec(nproc=[2, 8], max_ratio=1.1, reference=2)
+    assert s.reference == 2 and s.sizes == (2, 8)  # no nproc=1 a TP=2 job cannot build its mesh at
+    assert spec(nproc=[2, 8], max_ratio=1.1).reference == 1
+
+
 def test_ini_ratio_default_and_none_turns_it_off():
     defaults = Defaults(max_ratio=1.3, allow_mib=512)
     assert parse_marker((), {"nproc": 2}, defaults).max_ratio == 1.3
@@ -64,6 +70,19 @@ def test_ini_ratio_default_and_none_turns_it_off():
         ({"env": {"A": 1}}, "env={'A': 1} is not accepted: expected a dict of str to str"),
         ({"script": "a.py", "module": "m"}, "at most one"),
         ({"args": ["--x"]}, "args is given without script or module"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "reference": 4},
+         "reference=4 is not accepted: it is not among nproc=[2, 8]; a reference above 1 is launched as one of "
+         "the listed sizes, so list it or take one of 2, 8"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "reference": 8},
+         "reference=8 is not accepted: the ratio gates the sizes above its reference, and nproc=[2, 8] has none "
+         "above 8"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "reference": 16}, "reference=16 is not accepted: it is not among"),
+        ({"nproc": [2, 8], "reference": 2}, "reference=2 is not accepted without max_ratio"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "reference": "2"}, "reference='2' is not accepted: expected 1 or one"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "reference": 0}, "reference=0 is not accepted"),
+        ({"nproc": [2, 8], "max_ratio": 1.1, "rank": 1},
+         "rank=1 is not accepted with max_ratio: the ratio's reference is nproc=1, which has no rank 1; name a "
+         "listed size as the reference (reference=2)"),
         ({"script": "a.py", "args": "--x"}, "expected a list of strings"),
     ],
 )

@@ -211,6 +211,21 @@ def test_too_few_gpus_simulate_the_sizes_above_them_and_simulate_on_every_size_a
     assert plan(spec(nproc=[1, 2, 4, 8]), Capacity(max_nproc=4, gpu_count=lambda: 8)).predicted == (8,)
 
 
+def test_a_named_reference_is_launched_or_simulated_once_and_no_unlisted_size_is_added():
+    one_gpu = Capacity(gpu_count=lambda: 1)
+    tp = spec(nproc=[2, 8], max_ratio=1.1, reference=2)
+    chosen = plan(tp, one_gpu)  # a TP=2 job on one GPU: both sizes simulated, nothing launched for real
+    assert chosen.launch.sizes == () and chosen.simulated == (2, 8)
+    two = plan(tp, Capacity(gpu_count=lambda: 2))  # the reference fits: launched for real, 8 simulated
+    assert two.launch.sizes == (2,) and two.launch.max_ratio == 1.1 and two.simulated == (8,)
+    on = plan(spec(nproc=[2, 8], max_ratio=1.1, reference=2, simulate="on", device="cpu"), Capacity())
+    assert on.launch.sizes == () and on.simulated == (2, 8)
+    fake = plan(spec(nproc=[2, 8], max_ratio=1.1, reference=2, device="gpu"), Capacity())
+    assert fake.fake and fake.launch.sizes == () and fake.simulated == (2, 8)
+    # The default reference is nproc=1, launched for real as before.
+    assert plan(spec(nproc=[2, 8], max_ratio=1.1), one_gpu).launch.sizes == (1,)
+
+
 def test_the_cap_is_the_gpus_present_unless_set_and_none_on_host_memory():
     calls = []
 

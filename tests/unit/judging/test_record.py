@@ -91,6 +91,7 @@ def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():
                                         "baseline-error, xpass-strict (the status is failed), got 'vibes'"),
     (lambda t: t.update(status="passed"), "tests[0].cause: expected null (the status is passed), got 'limit'"),
     (lambda t: t["limits"].update(rank=-1), "tests[0].limits.rank: expected an integer >= 0 or 'all', got -1"),
+    (lambda t: t["limits"].update(reference=0), "tests[0].limits.reference: expected an integer >= 1, got 0"),
     (lambda t: t["limits"].update(tolerance="lots"), "tests[0].limits.tolerance: "),
     (lambda t: t["sizes"][0].update(nproc=0), "tests[0].sizes[0].nproc: expected an integer >= 1, got 0"),
     (lambda t: t["sizes"][0].update(gated_rank="rank 1"), "tests[0].sizes[0].gated_rank: expected a rank number"),

@@ -25,6 +25,15 @@ def test_libai_swin_inflation_is_caught_at_8():
     assert "(ratio 2.65x)" in text
 
 
+def test_a_ratio_against_a_named_reference_gates_only_the_sizes_above_it():
+    s = spec(nproc=[1, 2, 8], max_ratio=1.1, reference=2)
+    v = judge(s, [result(1, 100), result(2, 400, 400), result(8, *[1000] * 8)])
+    assert [c.world_size for c in v.failures] == [8]  # nproc=1 is below the reference: not ratio-gated
+    assert "peak 1000.0 MiB > 1.10 x 400.0 MiB (nproc=2) + 0 MiB = 440.0 MiB (ratio 2.50x)" in v.render()
+    assert v.ratio(8) == 2.5 and v.ratio(1) is None and v.ratio(2) is None
+    assert judge(s, [result(1, 100), result(2, 400, 400), result(8, *[420] * 8)]).passed
+
+
 def test_healthy_ddp_passes_with_allowance():
     s = spec(nproc=[1, 8], max_ratio=1.0, allow_mib=512)
     assert judge(s, [result(1, 5592), result(8, *[5920] * 8)]).passed
