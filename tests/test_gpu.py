@@ -463,3 +463,74 @@ def test_ddp_at_one_gpu_a_kept_copy_of_the_batch_fails_naming_its_line(pytester,
     line = next(i for i, text in enumerate(DDP.splitlines()) if "kept = x.clone()" in text)  # 1-based after strip
     assert first["site"].startswith(f"test_ddp.py:{line} train"), first
     assert abs(first["new_mib"] - first["old_mib"] - 1024.0) <= 2.0
+
+
+# A TP=2 job on a (dp, tp) mesh with NCCL (ColwiseParallel/RowwiseParallel on "tp", fully_shard on
+# "dp"): its smallest world is 2, so its ratio is taken against nproc=2 (reference=2); its twin
+# all-gathers every dp rank's 512 MiB activation.
+TP = '''
+import os
+import pytest
+
+MiB = 2**20
+
+
+def tp_job(gather_over_dp):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    mesh = init_device_mesh("cuda", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    net = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel(),
+                                         "2": ColwiseParallel(), "3": RowwiseParallel()})
+    fully_shard(net, mesh=mesh["dp"])
+    local = torch.ones(512 * MiB // 4, device="cuda")
+    kept = []
+    if gather_over_dp:  # the regression: every dp rank keeps every dp rank's activation
+        kept = [torch.empty_like(local) for _ in range(mesh["dp"].size())]
+        dist.all_gather(kept, local, group=mesh["dp"].get_group())
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(3):
+        net(torch.ones(1024, 4096, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    return kept
+
+
+@pytest.mark.gpumem(nproc=[2, 8], device="gpu", max_ratio=1.1, reference=2)
+def test_tp():
+    tp_job(False)
+
+
+@pytest.mark.gpumem(nproc=[2, 8], device="gpu", max_ratio=1.1, reference=2)
+def test_tp_gathers_over_dp():
+    tp_job(True)
+'''
+
+
+@needs_gpu
+def test_a_tp2_job_is_gated_2_to_8_against_its_reference_and_its_gathering_twin_fails(pytester, launch_tag):
+    """TP=2 at nproc=[2, 8], reference=2, on the GPUs present (sizes above them a simulated world):
+    no nproc=1 is launched, the healthy job passes and its twin, gathering over dp, fails at 8."""
+    pytester.makepyfile(test_tp=TP)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "warn",
+                                f"--gpumem-report={report}")
+    print(result.stdout.str())
+    records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+    for name, rec in records.items():
+        assert [s["nproc"] for s in rec["sizes"]] == [2, 8], name
+        for size in rec["sizes"]:
+            print(f"{name} nproc={size['nproc']}: {size['gated_mib']} MiB device, "
+                  f"allocated {size['allocated_mib']}, ratio {size['ratio']}, simulated {size['simulated']}")
+    result.assert_outcomes(passed=1, failed=1)
+    healthy, twin = _size(records["test_tp"], 8), _size(records["test_tp_gathers_over_dp"], 8)
+    assert healthy["ratio"] <= 1.1 < twin["ratio"]
+    result.stdout.fnmatch_lines(["*1.10 x * MiB (nproc=2) + 0 MiB = * MiB (ratio *x)*"])
