@@ -534,3 +534,56 @@ def test_a_tp2_job_is_gated_2_to_8_against_its_reference_and_its_gathering_twin_
     healthy, twin = _size(records["test_tp"], 8), _size(records["test_tp_gathers_over_dp"], 8)
     assert healthy["ratio"] <= 1.1 < twin["ratio"]
     result.stdout.fnmatch_lines(["*1.10 x * MiB (nproc=2) + 0 MiB = * MiB (ratio *x)*"])
+
+
+# rank="all" at world 8 of a job whose ranks each hold more than an eighth of the GPU (and rank r
+# holds r GiB more than rank 0): the eight simulated ranks do not fit on one GPU together.
+ALL_RANKS = '''
+import os
+import pytest
+
+GiB = 2**30
+
+
+def hold():
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    _, total = torch.cuda.mem_get_info()
+    block = torch.empty(total // 8 + dist.get_rank() * GiB, dtype=torch.uint8, device="cuda")
+    block.fill_(1)
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=8, device="gpu", rank="all", max_mib=1e6)
+def test_all_ranks():
+    hold()
+'''
+
+
+@needs_gpu
+def test_rank_all_at_8_of_ranks_that_do_not_fit_together_runs_them_in_turn_and_names_the_largest(pytester,
+                                                                                                 launch_tag):
+    """Every simulated rank of world 8 measured, each alone, as many at a time as there are GPUs: the
+    largest (rank 7, 7 GiB above rank 0) gates, each rank's figure is in the record, the cost in a note."""
+    if GPUS >= 8:
+        pytest.skip("eight GPUs launch world 8 for real; this is the one-GPU path")
+    pytester.makepyfile(test_all=ALL_RANKS)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "warn",
+                                f"--gpumem-report={report}", "-rA")
+    print(result.stdout.str())
+    result.assert_outcomes(passed=1)
+    size = _size(json.loads(report.read_text())["tests"][0], 8)
+    allocated = {int(r): a["allocated_mib"] for r, a in size["allocated_ranks"].items()}
+    print("allocated MiB per rank:", allocated, "gated:", size["gated_label"], size["gated_mib"])
+    assert size["simulated"] == list(range(8)) and sorted(allocated) == list(range(8))
+    assert size["gated_label"] == "rank 7 (largest)"
+    steps = [allocated[r + 1] - allocated[r] for r in range(7)]
+    assert all(abs(step - 1024) <= 1 for step in steps), steps  # each rank's own figure, measured alone
+    assert any(f"its 8 simulated ranks ran {GPUS} at a time" in note for note in
+               json.loads(report.read_text())["tests"][0]["notes"])

@@ -256,7 +256,8 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "drift allowed above the baseline's allocator figure"),
     MarkerArgument("simulate", "[gpumem_simulate]", "one of " + ", ".join(SIMULATE),
                    "sizes above nproc=1 as a simulated world (torch): the gated rank, or every rank for "
-                   "rank='all', runs alone with a stand-in communicator; auto simulates only the sizes that "
+                   "rank='all' (on GPUs as many at a time as there are GPUs), runs alone with a stand-in "
+                   "communicator; auto simulates only the sizes that "
                    "need more GPUs than there are, on simulates every size above 1, off never"),
     MarkerArgument("fake_gpu", "[gpumem_fake_gpu]", "one of " + ", ".join(FAKE_GPU),
                    "device='gpu' tests on a fake GPU (torch): the job unchanged, every CUDA tensor a fake "

@@ -18,7 +18,9 @@ from typing import Callable
 from ..config.spec import Spec
 from ..judging.predict import PredictError, predict
 from ..judging.verdict import ALLOCATED, DEVICE, HOST, SizeResult
+from .rank_groups import merged, rank_groups
 from .runner import Runner, TestRun
+from .runs import SizeRun
 
 # The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
 # rank code imported (30.3 MiB measured, torch venv, Python 3.11); a framework adds to it.
@@ -163,7 +165,12 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
         chosen = replace(chosen, predicted=fallback.predicted)
     for n in simulated:
         ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
-        run = runner.simulate(test_id, spec, n, ranks, chosen.gpus, fake=chosen.fake)
+        groups: list[SizeRun] = []
+        for group in rank_groups(ranks, chosen.gpus, chosen.fake):  # ranks that fit the GPUs together
+            groups.append(runner.simulate(test_id, spec, n, group, chosen.gpus, fake=chosen.fake))
+            if groups[-1].problems or groups[-1].all_skipped is not None:
+                break
+        run = merged(groups, chosen.gpus or 0)
         test.runs.append(run)
         if not test.provenance and run.provenance:  # nothing launched for real (a fake GPU): its ranks say
             test.provenance = dict(run.provenance)
