@@ -230,6 +230,10 @@ class TestRecord:
         """The status, with the cause of a failure: ``failed (crash)``, ``xfailed (limit)``, ``passed``."""
         return f"{self.status} ({self.cause})" if self.cause and self.status in FAILED else self.status
 
+    def unlisted(self, size: SizeRecord) -> bool:
+        """Whether ``size`` is not in the marker's nproc: an nproc=1 launched as the ratio's reference."""
+        return size.nproc not in self.nproc
+
     def size_verdict(self, size: SizeRecord) -> str:
         """The test's verdict, except ``ok`` for a size that passed its limits inside a test that
         failed (or xfailed) on a limit at another size."""

@@ -101,8 +101,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x" + _against(record)
-        nproc = f"{size.nproc}" + ("\\*" if size.reused else "") + (" (reference)" if size.nproc not in record.nproc
-                                                                    else "")
+        nproc = f"{size.nproc}" + ("\\*" if size.reused else "") + (" (reference)" if record.unlisted(size) else "")
         change = format_delta(delta(size.gated_mib, size.baseline_mib), digits)
         floor = [floor_split(size) or "-"] if with_floor else []
         cells = [test, nproc, peak, *floor, _mib(size.baseline_mib, digits), change, ratio,
@@ -174,7 +173,7 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
     with_floor = any(floor_split(size) for rec in records for size in rec.sizes)
     legend.append("delta: gated peak minus the stored baseline of this platform; "
                   "ratio: gated peak over the nproc=1 peak (or the reference the marker names)")
-    if any(size.nproc not in rec.nproc for rec in records for size in rec.sizes):
+    if any(rec.unlisted(size) for rec in records for size in rec.sizes):
         legend.append("(reference): not in the marker's nproc, launched because max_ratio is taken against it; "
                       "a job that cannot run there names a listed size as its reference (reference=2)")
     if with_floor:

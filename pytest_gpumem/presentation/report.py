@@ -63,7 +63,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
             resident |= gated_rss or others_rss
             rows.append((
                 rec.test,
-                str(size.nproc) + ("*" if size.reused else "") + (" ref" if size.nproc not in rec.nproc else ""),
+                str(size.nproc) + ("*" if size.reused else "") + (" ref" if rec.unlisted(size) else ""),
                 f"{_mib(size.gated_mib, digits)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
                 _mib(size.others_max_mib, digits) + (" VmHWM" if others_rss else ""),
@@ -83,7 +83,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     out.extend(line(row) for row in rows)
     if any(size.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
-    if any(size.nproc not in rec.nproc for rec in records for size in rec.sizes):
+    if any(rec.unlisted(size) for rec in records for size in rec.sizes):
         out.append("ref: not in the marker's nproc, launched because max_ratio is taken against it; a job that "
                    "cannot run there names a listed size as its reference (reference=2)")
     if any(rec.limits.reference != 1 for rec in records):
