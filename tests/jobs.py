@@ -363,3 +363,113 @@ def tp_job(gather_over_dp=False):
     assert len(kept) == (mesh["dp"].size() if gather_over_dp else 0)
     dist.destroy_process_group()
 '''
+
+
+# A mixture-of-experts layer, one expert per rank, routed the way expert parallel jobs route: the
+# token counts go out with all_to_all_single, the received counts (.tolist()) size the second
+# all_to_all_single and the expert's work. Its buffers depend on values other ranks send, so a
+# simulated rank measures it only under a declared assumption (assume="alike"). The regression is a
+# collapsed router: every token to expert 0, whose rank then receives every rank's tokens.
+TORCH_MOE = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+SCALE = 16 if torch.cuda.is_available() else 1
+TOKENS, WIDTH = 4096 * SCALE, 1024                       # 16 MiB x SCALE of tokens per rank
+
+
+def moe_job(router="balanced"):
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    expert = torch.nn.Linear(WIDTH, WIDTH).to(device)
+    tokens = torch.randn(TOKENS, WIDTH, device=device)
+    if router == "collapsed":                             # the regression: every token to expert 0
+        choice = torch.zeros(TOKENS, dtype=torch.int64, device=device)
+    else:
+        choice = torch.arange(TOKENS, device=device) % world
+    order = torch.argsort(choice, stable=True)
+    sent = torch.bincount(choice, minlength=world)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent)                # how many tokens each rank sends this one
+    send_splits, receive_splits = sent.tolist(), received.tolist()
+    arrived = tokens.new_empty(sum(receive_splits), WIDTH)
+    dist.all_to_all_single(arrived, tokens[order], receive_splits, send_splits)
+    out = expert(arrived.requires_grad_())                # the expert's work: what arrived
+    out.pow(2).mean().backward()
+    back = tokens.new_empty(TOKENS, WIDTH)
+    dist.all_to_all_single(back, out.detach(), send_splits, receive_splits)
+    collapsed_here = TOKENS * world if dist.get_rank() == 0 else 0
+    assert sum(receive_splits) == (collapsed_here if router == "collapsed" else TOKENS)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+'''
+
+
+# A pipeline: LAYERS blocks split over the world's stages (PipelineStage with its shapes declared),
+# MICROBATCHES microbatches a step under 1F1B or GPipe; 0.25 MiB of activation per microbatch and
+# layer (x SCALE on a GPU). A stage after the first declares an input that requires grad: otherwise it
+# sends no gradient back and the stage before it waits forever. The regression keeps every
+# microbatch's output past its backward. On CPU gloo, on a GPU NCCL with a device per rank.
+TORCH_PP = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+MiB = 1024 * 1024
+LAYERS, WIDTH, MICROBATCHES = 8, 1024, 32
+SCALE = 64 if torch.cuda.is_available() else 1
+BATCH = 2048 * SCALE                                      # 0.25 MiB x SCALE per microbatch and layer
+KEPT = []
+
+
+class Block(torch.nn.Module):
+    def __init__(self, keep_outputs):
+        super().__init__()
+        self.linear, self.keep_outputs = torch.nn.Linear(WIDTH, WIDTH), keep_outputs
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.keep_outputs:                             # the regression: kept past its backward
+            KEPT.append(y)
+        return y
+
+
+def pp_job(schedule="1f1b", keep_outputs=False):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    blocks = torch.nn.Sequential(*[Block(keep_outputs) for _ in range(LAYERS // world)]).to(device)
+    example = torch.empty(BATCH // MICROBATCHES, WIDTH, device=device)  # shapes declared: no exchange
+    stage = PipelineStage(blocks, rank, world, device, input_args=example.clone().requires_grad_(rank > 0),
+                          output_args=example.requires_grad_())
+    pipeline = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+        stage, n_microbatches=MICROBATCHES, loss_fn=lambda out, target: out.pow(2).mean())
+    batch = torch.randn(BATCH, WIDTH, device=device)
+    for _ in range(2):
+        KEPT.clear()
+        if world == 1:
+            pipeline.step(batch, target=batch)
+        elif rank == 0:
+            pipeline.step(batch)
+        elif rank == world - 1:
+            pipeline.step(target=batch)
+        else:
+            pipeline.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+'''

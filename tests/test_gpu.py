@@ -587,3 +587,121 @@ def test_rank_all_at_8_of_ranks_that_do_not_fit_together_runs_them_in_turn_and_n
     assert all(abs(step - 1024) <= 1 for step in steps), steps  # each rank's own figure, measured alone
     assert any(f"its 8 simulated ranks ran {GPUS} at a time" in note for note in
                json.loads(report.read_text())["tests"][0]["notes"])
+
+
+# A pipeline (tests/jobs.py TORCH_PP: 8 layers over the world's stages, 32 microbatches of 16 MiB a
+# layer): 1F1B keeps at most a world's worth of microbatches in flight, GPipe all 32 (at least 384 MiB
+# more than 1F1B at 8 on every stage, more below), and the regression keeps every microbatch's output
+# (4096/N MiB more).
+PIPELINE_HEALTHY = '''
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", rank="all")
+def test_1f1b_every_rank():
+    pp_job("1f1b")
+'''
+
+PIPELINE_GATED = '''
+LIMIT = dict(nproc=[1, 2, 8], device="gpu", rank="all", max_mib={limit:.2f}, figures={{"max_mib": "allocated"}})
+
+
+@pytest.mark.gpumem(**LIMIT)
+def test_1f1b():
+    pp_job("1f1b")
+
+
+@pytest.mark.gpumem(**LIMIT)
+def test_gpipe():
+    pp_job("gpipe")
+
+
+@pytest.mark.gpumem(**LIMIT)
+def test_1f1b_keeping_outputs():
+    pp_job("1f1b", keep_outputs=True)
+'''
+
+
+@needs_gpu
+def test_pipeline_stages_at_1_2_8_find_the_largest_rank_and_kept_microbatches_fail(pytester, launch_tag):
+    """torch.distributed.pipelining (PipelineStage, Schedule1F1B, ScheduleGPipe) on NCCL, nproc=1 real,
+    2 and 8 a simulated world, every rank measured alone. The stages are not alike, and the largest is
+    the one measured largest (not rank 0: the last stage holds the targets besides its receive
+    buffers). Then max_mib 256 MiB above 1F1B's largest figure passes 1F1B and fails GPipe and the job
+    keeping its outputs at 1 and 2; at 8 they grow the middle stages, not the largest one."""
+    from jobs import TORCH_PP
+
+    def run(source: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+        pytester.makepyfile(test_pp=TORCH_PP + source)
+        report = pytester.path / "report.json"
+        result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore",
+                                    f"--gpumem-report={report}")
+        print(result.stdout.str())
+        records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+        for name, rec in records.items():
+            for size in rec["sizes"]:
+                ranks = {int(r): round(a["allocated_mib"], 2) for r, a in size["allocated_ranks"].items()}
+                print(f"{name} nproc={size['nproc']} {size['gated_label']}: allocated per rank {ranks}, "
+                      f"simulated {size['simulated']}")
+        return result, records
+
+    result, records = run(PIPELINE_HEALTHY)
+    result.assert_outcomes(passed=1)
+    healthy = records["test_1f1b_every_rank"]
+    assert _size(healthy, 1)["simulated"] == [] and _size(healthy, 8)["simulated"] == list(range(8))
+    for n in (2, 8):
+        ranks = {int(r): a["allocated_mib"] for r, a in _size(healthy, n)["allocated_ranks"].items()}
+        largest = max(ranks, key=ranks.__getitem__)
+        assert _size(healthy, n)["gated_label"] == f"rank {largest} (largest)"
+        assert _size(healthy, n)["allocated_mib"] == ranks[largest] > min(ranks.values()) + 256  # not alike
+    limit = max(_size(healthy, n)["allocated_mib"] for n in (1, 2, 8)) + 256
+    result, records = run(PIPELINE_GATED.format(limit=limit))
+    assert {name: rec["status"] for name, rec in records.items()} == {
+        "test_1f1b": "passed", "test_gpipe": "failed", "test_1f1b_keeping_outputs": "failed"}
+    healthy_8 = {int(r): a["allocated_mib"] for r, a in _size(healthy, 8)["allocated_ranks"].items()}
+    for name in ("test_gpipe", "test_1f1b_keeping_outputs"):
+        assert _size(records[name], 1)["allocated_mib"] > limit < _size(records[name], 2)["allocated_mib"], name
+        # At 8 the middle stages grow by 384 MiB and more (24 microbatches of 16 MiB), the largest rank
+        # (the last stage) hardly: the gate on the largest rank does not see it there, the record does.
+        grown = {int(r): a["allocated_mib"] - healthy_8[int(r)]
+                 for r, a in _size(records[name], 8)["allocated_ranks"].items()}
+        print(f"{name} at 8, growth per rank over 1F1B (MiB): {grown}")
+        assert all(grown[r] >= 300 for r in range(1, 7)), (name, grown)
+
+
+# A mixture-of-experts layer (tests/jobs.py TORCH_MOE: the token counts through all_to_all_single,
+# then .tolist() as split sizes), 256 MiB of tokens a rank.
+MOE_TESTS = '''
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.1, assume="alike")
+def test_balanced():
+    moe_job("balanced")
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.1, assume="alike")
+def test_collapsed():
+    moe_job("collapsed")
+
+
+@pytest.mark.gpumem(nproc=[1, 2], device="gpu")
+def test_unassumed():
+    moe_job("balanced")
+'''
+
+
+@needs_gpu
+def test_expert_routing_under_the_alike_assumption_passes_balanced_and_fails_collapsed(pytester, launch_tag):
+    """nproc=1 real, 2 and 8 simulated: balanced routing holds its ratio, a router sending every token
+    to expert 0 fails it; without assume= the simulated rank stops at the line reading the counts."""
+    from jobs import TORCH_MOE
+
+    pytester.makepyfile(test_moe=TORCH_MOE + MOE_TESTS)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore",
+                                f"--gpumem-report={report}")
+    print(result.stdout.str())
+    records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+    for name, rec in records.items():
+        for size in rec["sizes"]:
+            print(f"{name} nproc={size['nproc']}: allocated {size['allocated_mib']} MiB, ratio {size['ratio']}, "
+                  f"simulated {size['simulated']}")
+    assert {name: rec["status"] for name, rec in records.items()} == {
+        "test_balanced": "passed", "test_collapsed": "failed", "test_unassumed": "failed"}
+    assert _size(records["test_collapsed"], 2)["ratio"] > 1.1 >= _size(records["test_balanced"], 8)["ratio"]
+    result.stdout.fnmatch_lines(["*tolist() at test_moe.py:* reads values that other ranks send*"])

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..rankside.received import ASSUMPTIONS
+
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
 LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
 DEVICES = ("auto", "gpu", "cpu")
@@ -23,6 +25,9 @@ SIMULATE = ("auto", "on", "off")
 # counted as torch's caching allocator counts it): auto where this machine has no GPU, on always,
 # off never (without a GPU the test is then skipped, saying so).
 FAKE_GPU = ("auto", "on", "off")
+# What a simulated rank takes the values other ranks send to be (rankside.received): None stops a rank
+# that reads them; "alike" fills them as every rank sending what this one sends.
+ASSUME = ASSUMPTIONS
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
 # gpumem_tolerance's default, and a report's when it names none: "auto", resolved per comparison
 # (Tolerance.resolve): the figure's measured spread decides, not one blanket share for every job.
@@ -180,6 +185,7 @@ class Spec:
     simulate: str = "auto"
     fake_gpu: str = "auto"
     reference: int = 1  # the world size max_ratio is taken against: 1, or a listed size the job can run at
+    assume: str | None = None  # a simulated rank's received values (ASSUME): None stops a rank that reads them
 
     def figure(self, limit: str) -> str:
         """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
@@ -259,6 +265,12 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "rank='all' (on GPUs as many at a time as there are GPUs), runs alone with a stand-in "
                    "communicator; auto simulates only the sizes that "
                    "need more GPUs than there are, on simulates every size above 1, off never"),
+    MarkerArgument("assume", "None", "None or " + ", ".join(repr(a) for a in ASSUME),
+                   "what a simulated rank takes the values other ranks send to be, where the job reads them "
+                   "(token counts of expert routing, a received size): None stops the rank naming the read; "
+                   "'alike' takes every rank as sending what this rank sends (a balanced router's token "
+                   "counts; a skewed router shows at its favourite expert's rank), and the report says the "
+                   "figure rests on it"),
     MarkerArgument("fake_gpu", "[gpumem_fake_gpu]", "one of " + ", ".join(FAKE_GPU),
                    "device='gpu' tests on a fake GPU (torch): the job unchanged, every CUDA tensor a fake "
                    "one, its allocator figure counted as on the emulated GPU model; auto where this machine "
@@ -399,6 +411,11 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     if simulate not in SIMULATE:
         raise SpecError(f"simulate={simulate!r} is not accepted: expected one of {', '.join(SIMULATE)}")
 
+    assume = kw.get("assume")
+    if assume is not None and assume not in ASSUME:
+        raise SpecError(f"assume={assume!r} is not accepted: expected None or "
+                        + ", ".join(repr(a) for a in ASSUME))
+
     fake_gpu = kw.get("fake_gpu", defaults.fake_gpu)
     if fake_gpu not in FAKE_GPU:
         raise SpecError(f"fake_gpu={fake_gpu!r} is not accepted: expected one of {', '.join(FAKE_GPU)}")
@@ -427,6 +444,7 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         simulate=simulate,
         fake_gpu=fake_gpu,
         reference=reference,
+        assume=assume,
     )
 
 

@@ -20,6 +20,7 @@ from ..rankside.rank import (
     SNAPSHOT_ENV,
     TRACK_ENV,
 )
+from ..rankside.received import ASSUME_ENV
 from .gpus import GpuPlan
 from .launcher import launcher
 
@@ -112,6 +113,8 @@ class RankSetup:
                     PYTHON_ALLOCATIONS_ENV: self.python_allocations}
         if self.snapshot:
             side_env[SNAPSHOT_ENV] = "1"
+        if spec.assume is not None:  # read by a simulated rank only
+            side_env[ASSUME_ENV] = spec.assume
         if self.in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
             side_env[GPU_IN_RANK_ENV] = "1"
             if plan.sampler is not None:

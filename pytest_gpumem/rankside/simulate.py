@@ -4,7 +4,8 @@ The launch sets ``GPUMEM_SIMULATED_RANK=R/W`` (and ``RANK``, ``WORLD_SIZE`` as t
 Every torch process group the job creates, whatever backend it names, is torch's fake process
 group: no communication, and every tensor a collective reads or writes keeps the size it has in
 the real world. So the rank's allocator figure (parameter shards, collective buffers, gradients,
-optimizer state, activations) is the real one; only the values received from other ranks are not.
+optimizer state, activations) is the real one; only the values received from other ranks are not
+(``received``: where the job reads them, the rank stops, or goes on under a declared assumption).
 
 Three things the fake group alone gets wrong, mended here:
 
@@ -15,6 +16,10 @@ Three things the fake group alone gets wrong, mended here:
   answered with this rank's own object (the world's ranks taken as alike) and noted; receiving
   another rank's object (a broadcast from, or a scatter by, another rank) stops the rank with a
   message, rather than run on a garbage size.
+- A pipeline's stages vote on whether every stage declared its tensors' shapes (torch 2.12+), and
+  learn undeclared shapes from their neighbours: the vote is answered as if every stage voted as this
+  one (stages taken as alike in that), and receiving a neighbour's shapes stops the rank with what to
+  declare instead.
 - OneFlow has no such group: a simulated rank that imports it stops with a message.
 """
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+from . import received
 from .imports import after_import
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
@@ -109,6 +115,8 @@ def _patch_torch(torch: ModuleType, where: World) -> None:
     c10d._new_process_group_helper = new_group  # type: ignore[assignment]  # noqa: SLF001
     _patch_ddp(torch)
     _patch_object_collectives(dist, c10d, where)
+    received.follow_received(torch, dist, c10d, where, _note)
+    after_import("torch.distributed.pipelining.stage", lambda stage: _patch_pipeline_vote(torch, stage, where))
 
 
 def _patch_ddp(torch: ModuleType) -> None:
@@ -173,11 +181,47 @@ def _patch_object_collectives(dist: ModuleType, c10d: ModuleType, where: World) 
                 "real (simulate='off')")
         scatter_object_output_list[0] = scatter_object_input_list[rank_of(group)]
 
+    def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, *_: Any,
+                         **__: Any) -> None:
+        raise SimulationError(
+            f"recv_object_list from rank {src} in rank {where.rank} of a simulated world of {where.size}: "
+            "another rank's Python objects do not exist here. A pipeline stage receives its neighbours' "
+            "shapes this way when it was not told them: give every PipelineStage input_args= and "
+            "output_args= (the output requiring grad), or launch this size for real (simulate='off')")
+
     for name, fn in (("all_gather_object", all_gather_object), ("gather_object", gather_object),
                      ("broadcast_object_list", broadcast_object_list),
-                     ("scatter_object_list", scatter_object_list)):
+                     ("scatter_object_list", scatter_object_list), ("recv_object_list", recv_object_list)):
         setattr(c10d, name, fn)
         setattr(dist, name, fn)
+
+
+def _patch_pipeline_vote(torch: ModuleType, stage: ModuleType, where: World) -> None:
+    """Answer the stages' vote on declared shapes (torch 2.12+) as every stage voting as this one.
+
+    The vote's tensors come from the neighbours, which do not run: the fake group leaves zeros, read
+    as "some stage did not declare", and the stage then waits for shapes nobody sends.
+    """
+    cls = getattr(stage, "PipelineStage", None)
+    mode = getattr(stage, "InferenceMode", None)
+    if cls is None or mode is None or not hasattr(cls, "_warmup_forward_vote"):
+        return  # an older torch: declared shapes skip the exchange, undeclared ones reach recv_object_list
+
+    def forward_vote(self: Any, has_backward: bool, received_acc: Any = None) -> Any:
+        if mode.needs_dynamic(self._user_meta, has_backward):  # noqa: SLF001
+            raise SimulationError(
+                f"pipeline stage {self.stage_index} in rank {where.rank} of a simulated world of {where.size} "
+                "did not declare its tensors' shapes, and its neighbours, which would send them, do not run "
+                "here: give every PipelineStage input_args= and output_args= (the output requiring grad), "
+                "or launch this size for real (simulate='off')")
+        _note("pipeline stages' shape vote answered as every stage declaring its shapes, as this one does")
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def backward_result(self: Any, received_result: Any = None) -> Any:
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    cls._warmup_forward_vote = forward_vote  # noqa: SLF001
+    cls._warmup_backward_result = backward_result  # noqa: SLF001
 
 
 # ------------------------------------------------------------------------------------ OneFlow

@@ -24,6 +24,10 @@ def test_ratio_adds_the_reference_size():
     assert s.nproc == (2, 8) and s.sizes == (1, 2, 8)
 
 
+def test_an_assumption_on_received_values_is_kept_and_none_is_the_default():
+    assert spec(assume="alike").assume == "alike" and spec().assume is None
+
+
 def test_a_named_reference_launches_only_the_listed_sizes():
     s = spec(nproc=[2, 8], max_ratio=1.1, reference=2)
     assert s.reference == 2 and s.sizes == (2, 8)  # no nproc=1 a TP=2 job cannot build its mesh at
@@ -84,6 +88,8 @@ def test_ini_ratio_default_and_none_turns_it_off():
          "rank=1 is not accepted with max_ratio: the ratio's reference is nproc=1, which has no rank 1; name a "
          "listed size as the reference (reference=2)"),
         ({"script": "a.py", "args": "--x"}, "expected a list of strings"),
+        ({"assume": "balanced"}, "assume='balanced' is not accepted: expected None or 'alike'"),
+        ({"assume": True}, "assume=True is not accepted: expected None or 'alike'"),
     ],
 )
 def test_bad_argument_names_it_and_what_is_accepted(kwargs, fragment):
