@@ -1,0 +1,126 @@
+"""Pipeline stages and expert routing, real gloo worlds against simulated ones, every rank.
+
+    .venv-torch/bin/python benchmarks/parallelism_validation.py              # sizes 2,4,8
+    .venv-torch/bin/python benchmarks/parallelism_validation.py --sizes 2,4
+
+One generated project through ``pytest --gpumem --gpumem-report=...`` (marker, planner, launcher,
+rank-side stand-in, report). For each world size N, each job once real (``simulate="off"``) and once
+simulated (``simulate="on"``), interleaved so that the machine's load falls on both alike:
+
+- the pipeline of tests/jobs.py TORCH_PP (8 layers over N stages, 32 microbatches) under 1F1B, GPipe,
+  and 1F1B keeping every microbatch's output (the regression), ``rank="all"``: every rank's figure;
+- the expert layer of tests/jobs.py TORCH_MOE, balanced and collapsed routing (every token to
+  expert 0, the regression), ``assume="alike"`` for the simulated world, rank 0 (the collapsed
+  router's receiving rank).
+
+Each rank's host figure (memray's live allocations) is read from the report; the table gives real,
+simulated and their difference per rank, and which rank is the largest in each.
+
+Results: benchmarks/results/parallelism_validation.txt (and .json, the raw figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the jobs, shared with the tests
+
+from jobs import TORCH_MOE, TORCH_PP  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PIPELINE = {"1f1b": 'pp_job("1f1b")', "gpipe": 'pp_job("gpipe")', "keep": 'pp_job("1f1b", keep_outputs=True)'}
+EXPERTS = {"balanced": 'moe_job("balanced")', "collapsed": 'moe_job("collapsed")'}
+
+
+def project(sizes: list[int], timeout: float) -> str:
+    lines = [TORCH_PP, TORCH_MOE]  # each sizes itself at import (its own SCALE), before the next redefines it
+    for n in sizes:
+        for jobs, extra in ((PIPELINE, 'rank="all"'), (EXPERTS, None)):
+            for job, call in jobs.items():
+                for mode in ("off", "on"):
+                    args = [f"nproc={n}", 'device="cpu"', f'simulate="{mode}"', f"timeout={timeout}"]
+                    args += [extra] if extra else ['assume="alike"']
+                    lines.append(f'''
+@pytest.mark.gpumem({", ".join(args)})
+def test_{job}_{n}_{"real" if mode == "off" else "simulated"}():
+    {call}
+''')
+    return "".join(lines)
+
+
+def run(sizes: list[int], timeout: float) -> tuple[dict[str, Any], float]:
+    with tempfile.TemporaryDirectory(prefix="gpumem-parallelism-") as tmp:
+        folder = Path(tmp)
+        (folder / "test_parallelism.py").write_text(project(sizes, timeout))
+        report = folder / "report.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+                               "--gpumem", "--gpumem-missing-baseline=ignore", f"--gpumem-report={report}",
+                               "test_parallelism.py"], cwd=folder, env=env, text=True, capture_output=True)
+        seconds = time.monotonic() - started
+        print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
+        if not report.exists():
+            raise SystemExit(f"pytest left no report (exit {proc.returncode})")
+        return json.loads(report.read_text()), seconds
+
+
+def per_rank(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for test in report["tests"]:
+        size = test["sizes"][0]
+        out[test["test"].split("::")[1]] = {"ranks": {int(r): v for r, v in size["host_ranks"].items()},
+                                            "gated": size["gated_label"], "status": test["status"]}
+    return out
+
+
+def table(figures: dict[str, dict[str, Any]], sizes: list[int]) -> list[str]:
+    lines = [f"{'job':<10} {'N':>2}  {'rank':>4}  {'real MiB':>9}  {'simulated MiB':>13}  {'real - sim':>10}  "
+             "largest (real / simulated)"]
+    for job in (*PIPELINE, *EXPERTS):
+        for n in sizes:
+            real, sim = figures.get(f"test_{job}_{n}_real"), figures.get(f"test_{job}_{n}_simulated")
+            if real is None or sim is None:
+                continue
+            for rank in sorted(sim["ranks"]):
+                r, s = real["ranks"].get(rank), sim["ranks"][rank]
+                diff = f"{r - s:+10.2f}" if r is not None else f"{'-':>10}"
+                largest = f"{real['gated']} / {sim['gated']}" if rank == min(sim["ranks"]) else ""
+                lines.append(f"{job:<10} {n:>2}  {rank:>4}  {r if r is not None else float('nan'):>9.2f}  "
+                             f"{s:>13.2f}  {diff}  {largest}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2,4,8")
+    parser.add_argument("--timeout", type=float, default=600)
+    options = parser.parse_args()
+    sizes = [int(n) for n in options.sizes.split(",")]
+    report, seconds = run(sizes, options.timeout)
+    figures = per_rank(report)
+    import torch
+
+    lines = [f"{datetime.date.today()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"python {platform.python_version()}; {seconds:.0f} s in all",
+             f"command: .venv-torch/bin/python benchmarks/parallelism_validation.py --sizes {options.sizes}", "",
+             *table(figures, sizes)]
+    print("\n".join(lines))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "parallelism_validation.txt").write_text("\n".join(lines) + "\n")
+    (RESULTS / "parallelism_validation.json").write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
