@@ -443,7 +443,7 @@ class Block(torch.nn.Module):
         return y
 
 
-def pp_job(schedule="1f1b", keep_outputs=False):
+def pp_job(schedule="1f1b", keep_outputs=False, declared=True):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if torch.cuda.is_available():
@@ -454,8 +454,8 @@ def pp_job(schedule="1f1b", keep_outputs=False):
     torch.manual_seed(rank)
     blocks = torch.nn.Sequential(*[Block(keep_outputs) for _ in range(LAYERS // world)]).to(device)
     example = torch.empty(BATCH // MICROBATCHES, WIDTH, device=device)  # shapes declared: no exchange
-    stage = PipelineStage(blocks, rank, world, device, input_args=example.clone().requires_grad_(rank > 0),
-                          output_args=example.requires_grad_())
+    shapes = dict(input_args=example.clone().requires_grad_(rank > 0), output_args=example.requires_grad_())
+    stage = PipelineStage(blocks, rank, world, device, **(shapes if declared else {}))
     pipeline = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
         stage, n_microbatches=MICROBATCHES, loss_fn=lambda out, target: out.pow(2).mean())
     batch = torch.randn(BATCH, WIDTH, device=device)

@@ -62,3 +62,14 @@ def test_pipeline_stages_simulated_read_each_ranks_real_figure_and_kept_microbat
     result.assert_outcomes(passed=1, failed=1)
     assert sizes["test_keeping_outputs"]["status"] == "failed"
     result.stdout.fnmatch_lines(["*gpumem: * MiB > * MiB (rank * (largest), nproc=2*"])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_stage_that_does_not_declare_its_shapes_stops_the_simulated_rank_saying_what_to_declare(pytester,
+                                                                                                 launch_tag):
+    pytester.makepyfile(test_pp=TORCH_PP + marked("undeclared", 'pp_job("1f1b", declared=False)', "on"))
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*give every PipelineStage input_args= and output_args= (requiring grad where "
+                                 "one flows back: every output, and every input but the first stage's)*"])

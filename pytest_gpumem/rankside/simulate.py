@@ -7,7 +7,7 @@ the real world. So the rank's allocator figure (parameter shards, collective buf
 optimizer state, activations) is the real one; only the values received from other ranks are not
 (``received``: where the job reads them, the rank stops, or goes on under a declared assumption).
 
-Three things the fake group alone gets wrong, mended here:
+What the fake group alone gets wrong, mended here:
 
 - DDP's reducer expects its collective's future to hold the bucket; the fake one holds None. A
   no-op communication hook (torch's own ``noop_hook``) hands the bucket back, as an all-reduce in
@@ -187,13 +187,17 @@ def _patch_object_collectives(dist: ModuleType, c10d: ModuleType, where: World) 
             f"recv_object_list from rank {src} in rank {where.rank} of a simulated world of {where.size}: "
             "another rank's Python objects do not exist here. A pipeline stage receives its neighbours' "
             "shapes this way when it was not told them: give every PipelineStage input_args= and "
-            "output_args= (the output requiring grad), or launch this size for real (simulate='off')")
+            f"output_args= ({_GRADS}), or launch this size for real (simulate='off')")
 
     for name, fn in (("all_gather_object", all_gather_object), ("gather_object", gather_object),
                      ("broadcast_object_list", broadcast_object_list),
                      ("scatter_object_list", scatter_object_list), ("recv_object_list", recv_object_list)):
         setattr(c10d, name, fn)
         setattr(dist, name, fn)
+
+
+# What a stage's declared shapes must say about gradients, or a stage sends none back and the one before waits.
+_GRADS = "requiring grad where one flows back: every output, and every input but the first stage's"
 
 
 def _patch_pipeline_vote(torch: ModuleType, stage: ModuleType, where: World) -> None:
@@ -212,8 +216,8 @@ def _patch_pipeline_vote(torch: ModuleType, stage: ModuleType, where: World) -> 
             raise SimulationError(
                 f"pipeline stage {self.stage_index} in rank {where.rank} of a simulated world of {where.size} "
                 "did not declare its tensors' shapes, and its neighbours, which would send them, do not run "
-                "here: give every PipelineStage input_args= and output_args= (the output requiring grad), "
-                "or launch this size for real (simulate='off')")
+                f"here: give every PipelineStage input_args= and output_args= ({_GRADS}), or launch this "
+                "size for real (simulate='off')")
         _note("pipeline stages' shape vote answered as every stage declaring its shapes, as this one does")
         return torch.ones(1, dtype=torch.int32, device=self.device)
 
