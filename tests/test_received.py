@@ -84,8 +84,11 @@ received = torch.empty(4, dtype=torch.int64); dist.all_to_all_single(received, c
 uneven = torch.empty(8, dtype=torch.int64); dist.all_to_all_single(uneven, torch.arange(10), [2] * 4, [1, 2, 3, 4])
 scattered = torch.empty(1, dtype=torch.int64); dist.reduce_scatter_tensor(scattered, counts)
 floats = torch.zeros(4); dist.all_reduce(floats)
+from torch.distributed import _functional_collectives as funcol
+functional = funcol.all_to_all_single(counts, None, None, dist.group.WORLD)
 print(summed.tolist(), largest.tolist(), gathered.tolist(), received.tolist(), uneven.tolist(),
-      scattered.tolist(), floats.tolist(), (summed.sum() + 1).tolist(), simulate.notes[-1], sep="|")
+      scattered.tolist(), floats.tolist(), (summed.sum() + 1).tolist(), simulate.notes[-1], functional.tolist(),
+      sep="|")
 '''
 
 
@@ -109,6 +112,7 @@ def test_under_alike_each_collective_leaves_what_n_ranks_like_this_one_would_sen
     ]
     assert out[8].startswith("values received from other ranks (all_reduce) read at <string>:")
     assert out[8].endswith("taken as alike: every rank sends what this rank sends")
+    assert out[9] == "[5, 5, 5, 5]"  # the functional all_to_all_single, as the in-place one
 
 
 @pytest.mark.torch
