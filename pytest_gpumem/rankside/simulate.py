@@ -16,7 +16,7 @@ What the fake group alone gets wrong, mended here:
   answered with this rank's own object (the world's ranks taken as alike) and noted; receiving
   another rank's object (a broadcast from, or a scatter by, another rank) stops the rank with a
   message, rather than run on a garbage size.
-- A pipeline's stages vote on whether every stage declared its tensors' shapes (torch 2.12+), and
+- A pipeline's stages vote on whether every stage declared its tensors' shapes (torch 2.13; 2.11 has none), and
   learn undeclared shapes from their neighbours: the vote is answered as if every stage voted as this
   one (stages taken as alike in that), and receiving a neighbour's shapes stops the rank with what to
   declare instead.
@@ -201,7 +201,7 @@ _GRADS = "requiring grad where one flows back: every output, and every input but
 
 
 def _patch_pipeline_vote(torch: ModuleType, stage: ModuleType, where: World) -> None:
-    """Answer the stages' vote on declared shapes (torch 2.12+) as every stage voting as this one.
+    """Answer the stages' vote on declared shapes (torch 2.13; 2.11 has none) as every stage voting as this one.
 
     The vote's tensors come from the neighbours, which do not run: the fake group leaves zeros, read
     as "some stage did not declare", and the stage then waits for shapes nobody sends.
