@@ -12,8 +12,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..rankside.received import ASSUMPTIONS
-
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
 LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
 DEVICES = ("auto", "gpu", "cpu")
@@ -27,7 +25,7 @@ SIMULATE = ("auto", "on", "off")
 FAKE_GPU = ("auto", "on", "off")
 # What a simulated rank takes the values other ranks send to be (rankside.received): None stops a rank
 # that reads them; "alike" fills them as every rank sending what this one sends.
-ASSUME = ASSUMPTIONS
+ASSUME = ("alike",)
 MAX_NPROC = 1024  # far above any single-host launch; catches nproc=80000 typos
 # gpumem_tolerance's default, and a report's when it names none: "auto", resolved per comparison
 # (Tolerance.resolve): the figure's measured spread decides, not one blanket share for every job.

@@ -29,10 +29,10 @@ import sys
 import traceback
 from typing import Any, Callable
 
+from ..config.spec import ASSUME
 from .imports import after_import
 
 ASSUME_ENV = "GPUMEM_SIMULATE_ASSUME"  # the marker's assume=: "" or "alike"
-ASSUMPTIONS = ("alike",)
 ALIKE = "every rank sends what this rank sends"
 _MARK = "_gpumem_received"  # attribute of a marked tensor: which collective filled what it came from
 
@@ -45,7 +45,7 @@ class ReceivedValueError(RuntimeError):
 
 def assumption(env: Any = os.environ) -> str | None:
     value = env.get(ASSUME_ENV, "")
-    return value if value in ASSUMPTIONS else None
+    return value if value in ASSUME else None
 
 
 def follow_received(torch: Any, dist: Any, c10d: Any, where: Any, note: Callable[[str], None]) -> None:
