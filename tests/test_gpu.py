@@ -79,6 +79,16 @@ def _run(pytester: pytest.Pytester, out: Path, body: str, *args: str) -> tuple[A
     return result, records
 
 
+def _run_job(pytester: pytest.Pytester, module: str, source: str) -> tuple[Any, dict[str, Any]]:
+    """``source`` as ``module`` under ``pytest --gpumem``, no baselines: its output printed, its records."""
+    pytester.makepyfile(**{module: source})
+    report = pytester.path / "report.json"
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore",
+                                f"--gpumem-report={report}")
+    print(result.stdout.str())
+    return result, {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+
+
 def _size(record: dict[str, Any], nproc: int) -> dict[str, Any]:
     return next(s for s in record["sizes"] if s["nproc"] == nproc)
 
@@ -629,12 +639,7 @@ def test_pipeline_stages_at_1_2_8_find_the_largest_rank_and_kept_microbatches_fa
     from jobs import TORCH_PP
 
     def run(source: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-        pytester.makepyfile(test_pp=TORCH_PP + source)
-        report = pytester.path / "report.json"
-        result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore",
-                                    f"--gpumem-report={report}")
-        print(result.stdout.str())
-        records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+        result, records = _run_job(pytester, "test_pp", TORCH_PP + source)
         for name, rec in records.items():
             for size in rec["sizes"]:
                 ranks = {int(r): round(a["allocated_mib"], 2) for r, a in size["allocated_ranks"].items()}
@@ -691,12 +696,7 @@ def test_expert_routing_under_the_alike_assumption_passes_balanced_and_fails_col
     to expert 0 fails it; without assume= the simulated rank stops at the line reading the counts."""
     from jobs import TORCH_MOE
 
-    pytester.makepyfile(test_moe=TORCH_MOE + MOE_TESTS)
-    report = pytester.path / "report.json"
-    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "--gpumem-missing-baseline", "ignore",
-                                f"--gpumem-report={report}")
-    print(result.stdout.str())
-    records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+    result, records = _run_job(pytester, "test_moe", TORCH_MOE + MOE_TESTS)
     for name, rec in records.items():
         for size in rec["sizes"]:
             print(f"{name} nproc={size['nproc']}: allocated {size['allocated_mib']} MiB, ratio {size['ratio']}, "
