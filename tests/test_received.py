@@ -86,9 +86,11 @@ scattered = torch.empty(1, dtype=torch.int64); dist.reduce_scatter_tensor(scatte
 floats = torch.zeros(4); dist.all_reduce(floats)
 from torch.distributed import _functional_collectives as funcol
 functional = funcol.all_to_all_single(counts, None, None, dist.group.WORLD)
+keywords = torch.empty(8, dtype=torch.int64)  # by torch's own names, as DeepSpeed calls it
+dist.all_gather_into_tensor(output_tensor=keywords, input_tensor=counts[:2])
 print(summed.tolist(), largest.tolist(), gathered.tolist(), received.tolist(), uneven.tolist(),
       scattered.tolist(), floats.tolist(), (summed.sum() + 1).tolist(), simulate.notes[-1], functional.tolist(),
-      sep="|")
+      keywords.tolist(), sep="|")
 '''
 
 
@@ -113,6 +115,7 @@ def test_under_alike_each_collective_leaves_what_n_ranks_like_this_one_would_sen
     assert out[8].startswith("values received from other ranks (all_reduce) read at <string>:")
     assert out[8].endswith("taken as alike: every rank sends what this rank sends")
     assert out[9] == "[5, 5, 5, 5]"  # the functional all_to_all_single, as the in-place one
+    assert out[10] == "[3, 5, 3, 5, 3, 5, 3, 5]"  # arguments given by keyword: filled as given by place
 
 
 @pytest.mark.torch

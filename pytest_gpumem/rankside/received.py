@@ -24,6 +24,7 @@ Point-to-point receives are marked but never filled: no assumption says what a n
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import traceback
@@ -126,8 +127,14 @@ class _Tracker:
                     output.mul_(n)
             self.mark(output, "reduce_scatter_tensor")
 
-        def broadcast(tensor: Any, src: Any = None, group: Any = None, *_: Any, **__: Any) -> None:
-            if src is not None and src != self.rank_in(group):  # alike: rank src holds what this rank holds
+        def broadcast(tensor: Any, src: Any = None, group: Any = None, *_: Any, group_src: Any = None,
+                      **__: Any) -> None:
+            if group_src is None and src is None:
+                return
+            # src is a global rank, group_src a place in the group.
+            from_rank = group_src if group_src is not None else (
+                dist.get_group_rank(group, src) if group is not None else src)
+            if from_rank != self.rank_in(group):  # alike: rank src holds what this rank holds
                 self.mark(tensor, "broadcast")
 
         def recv(tensor: Any, *_: Any, **__: Any) -> None:
@@ -237,12 +244,18 @@ def _chunk(tensor: Any, splits: Any, n: int, index: int) -> Any:
 def _after(original: Callable[..., Any], then: Callable[..., None], snapshot: bool = False) -> Callable[..., Any]:
     """``original``, then ``then`` with its arguments; ``snapshot``: and with ``before``, a copy of the
     first argument's integer values as the collective found them (it works in place)."""
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        first: Any = args[0] if args else kwargs.get("tensor")
+        # Bound to torch's own names: callers pass them by keyword too (DeepSpeed's output_tensor=),
+        # and ``then`` takes them in torch's order.
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        first: Any = bound.args[0] if bound.args else None
         before = first.clone() if snapshot and first is not None and _integral(first) else None
         result = original(*args, **kwargs)
-        then(*args, **kwargs, **({"before": before} if before is not None else {}))
+        then(*bound.args, **bound.kwargs, **({"before": before} if before is not None else {}))
         return result
 
     return collective
