@@ -48,8 +48,9 @@ def own_mib():
     """NVML's per-process figure for this PID on this rank's GPU."""
     pynvml.nvmlInit()
     try:
-        uuid = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        mine = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
+        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(mine)) if mine.isdigit()  # PCI bus order, as NVML's
+                  else pynvml.nvmlDeviceGetHandleByUUID(mine))
         return max((p.usedGpuMemory or 0) / MiB for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                    if p.pid == os.getpid())
     finally:
@@ -705,3 +706,46 @@ def test_expert_routing_under_the_alike_assumption_passes_balanced_and_fails_col
         "test_balanced": "passed", "test_collapsed": "failed", "test_unassumed": "failed"}
     assert _size(records["test_collapsed"], 2)["ratio"] > 1.1 >= _size(records["test_balanced"], 8)["ratio"]
     result.stdout.fnmatch_lines(["*tolist() at test_moe.py:* reads values that other ranks send*"])
+
+
+
+# DeepSpeed ZeRO (tests/jobs.py TORCH_ZERO, 128 MiB of weights; ZERO_STAGE picks the stage). The
+# simulated ranks under assume="alike": ZeRO-3 broadcasts rank 0's parameter lists and reads them
+# back, to check that the ranks agree.
+ZERO_TESTS = '''
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", assume="alike", config={"zero_stage": STAGE})
+def test_zero():
+    zero_job()
+'''
+
+
+@needs_gpu
+def test_deepspeed_zero3_to_zero1_fails_its_baseline_at_8_naming_the_config_change(pytester, launch_tag, monkeypatch):
+    """nproc=1 real, 2 and 8 simulated: ZeRO-3's allocator figure falls with the world; ZeRO-1 keeps
+    the whole model and its gradients on every rank and fails ZeRO-3's baseline at 8."""
+    pytest.importorskip("deepspeed")
+    from jobs import TORCH_ZERO
+
+    pytester.makepyfile(test_zero=TORCH_ZERO + ZERO_TESTS)
+
+    def run(stage: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+        monkeypatch.setenv("ZERO_STAGE", stage)
+        report = pytester.path / f"zero{stage}.json"
+        result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}",
+                                               *args, timeout=900)
+        print(result.stdout.str())
+        record = json.loads(report.read_text())["tests"][0]
+        print(f"ZeRO-{stage}:", record["status"], [(s["nproc"], s["allocated_mib"], s["simulated"])
+                                                   for s in record["sizes"]])
+        return result, record
+
+    first, zero3 = run("3", "--gpumem-refresh")
+    first.assert_outcomes(passed=1)
+    assert _size(zero3, 8)["allocated_mib"] < _size(zero3, 2)["allocated_mib"] < _size(zero3, 1)["allocated_mib"]
+    switched, zero1 = run("1")
+    switched.assert_outcomes(failed=1)
+    failed = [s["nproc"] for s in zero1["sizes"] if any(not c["ok"] for c in s["checks"])]
+    assert 8 in failed and 1 not in failed, failed  # at 1 ZeRO-1 holds less: no partitioning bookkeeping
+    lines = switched.stdout.lines
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    assert lines[headline + 1].endswith("config.zero_stage: 3 -> 1"), lines[headline:headline + 2]

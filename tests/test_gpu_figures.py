@@ -60,7 +60,7 @@ class RankGpus(FakeNvml):
                 continue
             if "GPUMEM_WORKDIR" not in env or "LOCAL_RANK" not in env or "CUDA_VISIBLE_DEVICES" not in env:
                 continue
-            if env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] != gpu.uuid:
+            if env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] != str(self.gpus.index(gpu)):
                 continue
             world = int(env.get("WORLD_SIZE", "1"))
             mib = self.device_mib + (self.communicator_mib if world > 1 else 0.0)

@@ -100,11 +100,17 @@ class GpuPlanner:
                 notes.append(f"GPU {device.index} ({device.uuid}) already had compute processes "
                              f"{pids} before the launch: device-level numbers include them")
         return GpuPlan(
-            env={"CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in lease.devices),
-                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+            env={"CUDA_VISIBLE_DEVICES": visible_devices(lease.devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
             sampler=NvmlSampler(lease.devices, self.interval_s, nvml=self.nvml),
             gpu_name=lease.devices[0].name,
             release=lease.release,
             notes=notes,
             provenance=driver_versions(self.nvml),
         )
+
+
+def visible_devices(devices: Any) -> str:
+    """CUDA_VISIBLE_DEVICES for a lease: NVML's indices, in PCI bus order as CUDA_DEVICE_ORDER then
+    numbers them, not UUIDs: frameworks parse the variable as integers (DeepSpeed's ZeRO-1/2 fails on
+    a UUID). MIG instances are never leased (sampling.nvml.select_visible)."""
+    return ",".join(str(d.index) for d in devices)

@@ -70,11 +70,11 @@ def test_more_gpus_than_the_machine_has_is_a_skip_naming_both_numbers(tmp_path):
     assert plan.skip_reason == "needs 4 GPU(s) for nproc=4 but this machine has 2"
 
 
-def test_plan_pins_ranks_to_leased_gpus_by_uuid(tmp_path):
+def test_plan_pins_ranks_to_leased_gpus_by_pci_bus_index(tmp_path):
     planner = GpuPlanner(GpuLeases(tmp_path, GPUS, wait_s=1))
     plan = planner(parse_marker((), {"nproc": 2}, Defaults()), 2, "t")
     try:
-        assert plan.env == {"CUDA_VISIBLE_DEVICES": "GPU-00000000-0000,GPU-00000001-0000",
+        assert plan.env == {"CUDA_VISIBLE_DEVICES": "0,1",  # integers: DeepSpeed's ZeRO-1/2 parses them
                             "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         assert plan.gpu_name == "NVIDIA H200" and plan.sampler is not None
     finally:
