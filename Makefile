@@ -10,6 +10,7 @@ OF := .venv-oneflow
 TO := .venv-torch
 FLOOR := .venv-floor
 DOCS := .venv-docs
+DEEPSPEED := 0.19.8
 PYTEST_FLAGS ?= -p no:cacheprovider
 # What the floor venv and tools/check-dist run: the plugin end to end (collection, wrappers, a real
 # launch, the baseline lifecycle) and the pure core, without OneFlow or torch.
@@ -19,7 +20,7 @@ SMOKE := tests/test_install.py tests/unit/judging/test_gate_edges.py tests/unit/
 	tests/test_plugin.py::test_rank_switches_reach_the_ranks_resolved_and_a_marker_env_wins \
 	tests/test_baseline_lifecycle.py::test_lifecycle
 
-.PHONY: test test-long test-gpu test-slurm lint docs reference docs-shots test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
+.PHONY: test test-long test-gpu gpu-wheels test-slurm lint docs reference docs-shots test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
 venvs: $(OF)/.ready $(TO)/.ready
 
@@ -30,16 +31,22 @@ $(OF)/.ready: pyproject.toml
 	$(OF)/bin/python -m pip install -q -e ".[oneflow,xdist]"
 	touch $@
 
-$(TO)/.ready: pyproject.toml tests/frameworks.txt
+$(TO)/.ready: pyproject.toml tests/frameworks.txt tests/frameworks-deepspeed.txt tests/frameworks-nodeps.txt
 	test -n "$(PY311)"
 	$(PY311) -m venv $(TO)
 	$(TO)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU build on the index; a bare `torch` would pull a multi-GB CUDA build.
 	$(TO)/bin/python -m pip install -q "torch==2.13.0"
 	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev]"
-	# The frameworks of tests/jobs.py FOREIGN, apart from the venv: their pytest plugins (anyio's) would
-	# load in every rank of every other test (+0.3 s a start); tests/test_fake_gpu.py puts them on the path.
-	$(TO)/bin/python -m pip install -q --target $(TO)/frameworks -r tests/frameworks.txt
+	# The frameworks of tests/jobs.py (FOREIGN, TORCH_ZERO, TORCH_ACCELERATE), apart from the venv: their
+	# pytest plugins (anyio's) would load in every rank of every other test (+0.3 s a start); the tests
+	# that run them put .venv-torch/frameworks on the path.
+	$(TO)/bin/python -m pip install -q --target $(TO)/frameworks -r tests/frameworks.txt -r tests/frameworks-deepspeed.txt
+	$(TO)/bin/python -m pip install -q --no-deps --target $(TO)/frameworks -r tests/frameworks-nodeps.txt
+	# DeepSpeed is a source archive whose build imports torch: built against this venv's torch (an
+	# isolated build would fetch a CUDA one), installed without dependencies (frameworks-deepspeed.txt).
+	DS_BUILD_OPS=0 $(TO)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(TO)/wheels "deepspeed==$(DEEPSPEED)"
+	$(TO)/bin/python -m pip install -q --no-deps --target $(TO)/frameworks $(TO)/wheels/deepspeed-$(DEEPSPEED)-*.whl
 	touch $@
 
 # The oldest versions pyproject.toml admits (tools/floor-requirements.txt), on the oldest Python.
@@ -116,6 +123,14 @@ dist-check: $(TO)/.ready
 # machine with NVIDIA GPUs; no test may skip there. GPU_PYTHON: an interpreter with torch built for CUDA
 # and the plugin importable (results: benchmarks/results/test_gpu.txt, with the command used).
 GPU_PYTHON ?= $(TO)/bin/python
+# What the GPU machine's Python (3.12, torch with CUDA) lacks, as wheels in .whl/ for the device to
+# carry: memray (kept in the repository), DeepSpeed (built here) and its dependencies.
+gpu-wheels: $(TO)/.ready
+	$(TO)/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d .whl -r tests/frameworks-deepspeed.txt
+	cp $(TO)/wheels/deepspeed-$(DEEPSPEED)-*.whl .whl/
+
 test-gpu:
 	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py tests/test_gpu_reruns.py
 

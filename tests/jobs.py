@@ -473,3 +473,75 @@ def pp_job(schedule="1f1b", keep_outputs=False, declared=True):
         torch.cuda.synchronize()
     dist.destroy_process_group()
 '''
+
+
+# DeepSpeed ZeRO over a stack of 8 Linear(2048, 2048) (128 MiB of fp32 weights, 256 MiB of Adam state a
+# replica), built under deepspeed.zero.Init at stage 3 so no rank ever holds the whole model. The
+# regression is ZeRO-3 -> ZeRO-1 in the config (every rank keeps the whole model and its gradients;
+# only Adam's state stays sharded), declared on the marker as config={"zero_stage": ...}. On CPU
+# DeepSpeed's CPU accelerator with gloo; on a GPU its CUDA accelerator with NCCL.
+TORCH_ZERO = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+WIDTH, LAYERS = 2048, 8
+STAGE = int(os.environ.get("ZERO_STAGE", "3"))
+
+
+def zero_job(stage=STAGE):
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              # Buckets sized for this model (DeepSpeed's default reduce bucket is 5e8 elements: 1.9 GiB).
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20,
+                                    "stage3_prefetch_bucket_size": 2**20},
+              "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                                      config=config)
+    batch = torch.randn(8, WIDTH, device=engine.device)
+    for _ in range(3):
+        engine.backward(engine(batch).pow(2).mean())
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+'''
+
+
+# A job written with Hugging Face accelerate: Accelerator(), prepare() (DDP over gloo on CPU, NCCL on
+# a GPU), accelerator.backward. The regression gathers every rank's 64 MiB batch (accelerator.gather,
+# e.g. for a metric) and keeps it: it grows with the world, as boxing did.
+TORCH_ACCELERATE = '''
+import pytest
+import torch
+
+MiB = 1024 * 1024
+
+
+def accelerate_job(gather=False):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    batch = torch.randn(64 * MiB // 4 // 1024, 1024, device=accelerator.device)
+    kept = accelerator.gather(batch) if gather else None  # the regression: the global batch on every rank
+    for _ in range(3):
+        accelerator.backward(model(batch).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert kept is None or kept.shape[0] == batch.shape[0] * accelerator.num_processes
+    accelerator.end_training()
+    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+'''
