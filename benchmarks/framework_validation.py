@@ -28,10 +28,7 @@ import importlib
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the jobs, shared with the tests
 
 from jobs import TORCH_ACCELERATE, TORCH_ZERO  # noqa: E402
+from parallelism_validation import run_project  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FRAMEWORKS = Path(sys.prefix) / "frameworks"
@@ -65,21 +63,8 @@ def test_{job}_{n}_{"real" if mode == "off" else "simulated"}():
 
 
 def run(family: str, sizes: list[int], timeout: float) -> tuple[dict[str, Any], float]:
-    with tempfile.TemporaryDirectory(prefix="gpumem-frameworks-") as tmp:
-        folder = Path(tmp)
-        (folder / "test_frameworks.py").write_text(project(family, sizes, timeout))
-        report = folder / "report.json"
-        path = [str(ROOT), str(FRAMEWORKS) if FRAMEWORKS.is_dir() else "", os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-        started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
-                               "--gpumem", "--gpumem-missing-baseline=ignore", f"--gpumem-report={report}",
-                               "test_frameworks.py"], cwd=folder, env=env, text=True, capture_output=True)
-        seconds = time.monotonic() - started
-        print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
-        if not report.exists():
-            raise SystemExit(f"pytest left no report (exit {proc.returncode})")
-        return json.loads(report.read_text()), seconds
+    path = (str(FRAMEWORKS),) if FRAMEWORKS.is_dir() else ()
+    return run_project(project(family, sizes, timeout), "test_frameworks.py", path)
 
 
 def per_rank(report: dict[str, Any]) -> dict[str, dict[str, Any]]:

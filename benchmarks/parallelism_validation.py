@@ -60,15 +60,22 @@ def test_{job}_{n}_{"real" if mode == "off" else "simulated"}():
 
 
 def run(sizes: list[int], timeout: float) -> tuple[dict[str, Any], float]:
-    with tempfile.TemporaryDirectory(prefix="gpumem-parallelism-") as tmp:
+    return run_project(project(sizes, timeout), "test_parallelism.py")
+
+
+def run_project(source: str, module: str, path: tuple[str, ...] = ()) -> tuple[dict[str, Any], float]:
+    """``source`` as ``module`` in a fresh folder under ``pytest --gpumem``, ``path`` besides the
+    repository on PYTHONPATH: its report and the seconds it took."""
+    with tempfile.TemporaryDirectory(prefix="gpumem-validation-") as tmp:
         folder = Path(tmp)
-        (folder / "test_parallelism.py").write_text(project(sizes, timeout))
+        (folder / module).write_text(source)
         report = folder / "report.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT), *path, os.environ.get("PYTHONPATH")]))
         started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
                                "--gpumem", "--gpumem-missing-baseline=ignore", f"--gpumem-report={report}",
-                               "test_parallelism.py"], cwd=folder, env=env, text=True, capture_output=True)
+                               module], cwd=folder, env={**os.environ, "PYTHONPATH": pythonpath},
+                              text=True, capture_output=True)
         seconds = time.monotonic() - started
         print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
         if not report.exists():
