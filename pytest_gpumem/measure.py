@@ -180,12 +180,9 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .judging.verdict import judge
     from .launching import scaling
     from .presentation import outputs
-    from .sampling.nvml import visible_gpus
 
-    runner = session.Session.from_settings(settings, rootdir=Path.cwd(), cwd=Path.cwd(),
-                                           rank_pytest_args=_no_pytest).runner
-    capacity = scaling.Capacity(settings.max_nproc, settings.predict, lambda: len(visible_gpus()))
-    test = scaling.run(runner, command, spec, capacity)
+    built = session.Session.from_settings(settings, rootdir=Path.cwd(), cwd=Path.cwd(), rank_pytest_args=_no_pytest)
+    test = scaling.run(built.runner, command, spec, built.capacity)
     verdict = judge(spec, test.results) if test.results and not test.problems else None
     status, cause = _status(test.skip_reason, test.problems, verdict)
     rec = build(test, verdict, status, cause=cause,

@@ -1,9 +1,10 @@
-"""pytest glue only: options, ini keys, the marker, collection, the item that launches, the table.
+"""pytest glue only: options, ini keys, the marker, collection, and the hooks that hand a test to
+the session (``session.py``) and its outcome back to pytest.
 
 In the pytest session a user starts, a marked test becomes a :class:`GpumemItem` whose run
 launches the ranks. Inside each rank (``GPUMEM_WORKDIR`` set by ``pytest_gpumem.rankside.rank``) the same
-test runs as an ordinary test, body, fixtures and parameters included, and its outcome is written
-for the parent to read.
+test runs as an ordinary test, body, fixtures and parameters included, under the rank's own plugin
+(``rankside.rank_plugin``), which writes its outcome for the parent to read.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
@@ -19,15 +19,12 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
-from .rankside.rank import SNAPSHOT_ENV, WORKDIR_ENV, allocator, declare_config, file_rank, startup_ended
+from .rankside.rank import WORKDIR_ENV, declare_config
 
 if TYPE_CHECKING:
-    from .gate import Gate, Outcome
+    from .gate import Outcome
     from .judging.record import TestRecord
-    from .launching.runner import Runner
-    from .launching.scaling import Capacity
-    from .rankside import protocol
-    from .rankside.protocol import RankState
+    from .session import Session
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
 # and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
@@ -86,17 +83,11 @@ def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[
     return tuple(sorted(names))
 
 
-def unsupported_platform(platform: str | None = None) -> str | None:
-    """Why gpumem tests cannot run here, or None on Linux (ranks read /proc and use prctl)."""
-    platform = sys.platform if platform is None else platform
-    if platform.startswith("linux"):
-        return None
-    return f"pytest-gpumem runs on Linux only (it reads /proc and uses prctl); this is {platform}"
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_DOC)
     if os.environ.get(WORKDIR_ENV):
+        from .rankside.rank_plugin import RankSide
+
         config.pluginmanager.register(RankSide(Path(os.environ[WORKDIR_ENV])), "gpumem-rank")
         return
     try:
@@ -110,46 +101,21 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
-    _check_rootdir(config)
+    if config.inipath is None and not config.getoption("rootdir", None):
+        conflict = settings_mod.rootdir_conflict(list(config.invocation_params.args), config.invocation_params.dir,
+                                                 Path(config.rootpath))
+        if conflict is not None:
+            raise pytest.UsageError(f"pytest-gpumem: {conflict}")
     try:  # an unwritable output is a usage error now, not a traceback after every launch ran
         resolved.make_output_folders()
     except settings_mod.SettingsError as exc:
         raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
-    if resolved.enabled and resolved.fake_gpu != "off":  # a model nobody measured: say so before any launch
-        from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
+    from .session import preflight
 
-        try:
-            model(resolved.fake_gpu_model, resolved.baselines / CALIBRATION_FILE)
-        except CalibrationError as exc:
-            raise pytest.UsageError(f"pytest-gpumem: gpumem_fake_gpu_model: {exc}") from None
-    if resolved.plots is not None:
-        from .presentation import plots
-
-        try:  # say so before the launches, not after them
-            plots.check_available()
-        except plots.PlotsUnavailable as exc:
-            raise pytest.UsageError(f"pytest-gpumem: --gpumem-plots: {exc}") from None
+    unusable = preflight(resolved)  # a model nobody measured, plots without matplotlib: before any launch
+    if unusable is not None:
+        raise pytest.UsageError(f"pytest-gpumem: {unusable}")
     config.pluginmanager.register(ParentSide(config, resolved, _launchers(config, resolved)), "gpumem-parent")
-
-
-def _check_rootdir(config: pytest.Config) -> None:
-    """Stop a run whose rootdir (and so whose baselines folder) came from one of our option values.
-
-    pytest picks the rootdir from the command line's paths before plugins declare their options,
-    so in ``--gpumem-plots /tmp/x`` the folder counts as a path: without an ini file the rootdir
-    moves to ``/tmp`` and baselines would be read from and written to ``/tmp/baselines``.
-    """
-    if config.inipath is not None or config.getoption("rootdir", None):
-        return
-    args = list(config.invocation_params.args)
-    flags = {o.flag for o in settings_mod.OPTIONS}
-    for flag, value in zip(args, args[1:]):
-        if flag in flags and Path(config.invocation_params.dir, value).exists():
-            raise pytest.UsageError(
-                f"pytest-gpumem: {flag} {value}: pytest took {value!r} for a test path when it chose the "
-                f"rootdir ({config.rootpath}), where the baselines folder is found. Write {flag}={value}, "
-                "or pass --rootdir, or give the project an ini file (pytest.ini, or [tool.pytest.ini_options] "
-                "in pyproject.toml)")
 
 
 @pytest.fixture
@@ -253,29 +219,24 @@ class ParentSide:
         self._built: dict[str, TestRecord] = {}  # node id -> its record, until its call report is logged
         self.plots_written: list[Path] = []
         self.is_worker = hasattr(config, "workerinput")
-        self._machinery: tuple[Gate, Runner] | None = None
-        self._capacity: Capacity | None = None
+        self._session: Session | None = None
 
-    def machinery(self) -> tuple[Gate, Runner]:
-        """The gate and the runner, built at the first gpumem test that runs (see the module top)."""
-        if self._machinery is None:
-            from . import session
+    @property
+    def session(self) -> Session:
+        """The machinery, built at the first gpumem test that runs (``session.py``)."""
+        if self._session is None:
+            from .launching.forking import pytest_refusal
+            from .launching.rank_setup import pytest_argv
+            from .session import Session
 
-            built = session.Session.from_settings(
-                self.settings, rootdir=Path(self.config.rootpath), cwd=Path(self.config.invocation_params.dir),
-                rank_pytest_args=self.rank_pytest_args, start_refusal=self._fork_refusal())
-            self._machinery = (built.gate, built.runner)
-        return self._machinery
-
-    def _fork_refusal(self) -> str | None:
-        """What in this pytest session forbids forking ranks from it (launching.forking)."""
-        try:
-            timeout = float(self.config.getini("faulthandler_timeout") or 0)
-        except (ValueError, TypeError):
-            timeout = 0.0
-        if timeout > 0:  # its watchdog thread is armed during the test: a child re-arming it would hang
-            return "faulthandler_timeout is set (its watchdog cannot be re-armed in a forked rank)"
-        return None
+            config = self.config
+            argv = functools.partial(pytest_argv, rootdir=Path(config.rootpath), inipath=config.inipath,
+                                     xdist=config.pluginmanager.hasplugin("xdist"),
+                                     load_plugin=bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")))
+            self._session = Session.from_settings(
+                self.settings, rootdir=Path(config.rootpath), cwd=Path(config.invocation_params.dir),
+                rank_pytest_args=argv, start_refusal=pytest_refusal(config.getini("faulthandler_timeout")))
+        return self._session
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
@@ -284,7 +245,7 @@ class ParentSide:
             spec = self.specs.get(item.nodeid)
             if spec is None:
                 continue
-            unsupported = unsupported_platform()
+            unsupported = settings_mod.unsupported_platform()
             if unsupported is not None:
                 item.add_marker(pytest.mark.skip(reason=f"gpumem test: {unsupported}"))
                 continue
@@ -296,37 +257,8 @@ class ParentSide:
             assert item.parent is not None  # a test item always has its module or class
             items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item, side=self)
 
-    def rank_pytest_args(self, test_id: str) -> list[str]:
-        """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games."""
-        config = self.config
-        path, _, rest = test_id.partition("::")
-        args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--runxfail",
-                "--rootdir", str(config.rootpath)]
-        if config.inipath is not None:
-            args += ["-c", str(config.inipath)]
-        if config.pluginmanager.hasplugin("xdist"):
-            args += ["-n", "0"]  # the ini's addopts may ask for workers: not inside a rank
-        if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-            args += ["-p", "pytest_gpumem.plugin"]
-        target = str(Path(config.rootpath) / path) + ("::" + rest if rest else "")
-        return [*args, target]
-
     def run_item(self, item: GpumemItem) -> None:
-        from .launching import scaling
-
-        gate, runner = self.machinery()
-        outcome = gate.before_launch(item.nodeid, item.spec)  # a broken baseline file fails before 30 s of launches
-        if outcome is not None:
-            self._finish(item, outcome)
-            return
-        if self._capacity is None:  # GPUs are counted at the first test whose sizes may pass them
-            from .sampling.nvml import visible_gpus
-
-            self._capacity = scaling.Capacity(self.settings.max_nproc, self.settings.predict,
-                                              lambda: len(visible_gpus()))
-        outcome = gate.evaluate(scaling.run(runner, item.nodeid, item.spec, self._capacity),
-                                relaunch=runner.relaunch_for_sites if self.settings.sites == "auto" else None)
-        self._finish(item, outcome)
+        self._finish(item, self.session.run(item.nodeid, item.spec))
 
     def _finish(self, item: GpumemItem, outcome: Outcome) -> None:
         """The outcome as pytest's: the record on the report, then skip, fail or warnings."""
@@ -373,129 +305,21 @@ class ParentSide:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.records or self.is_worker:
             return
-        from .presentation.report import message_sections, refresh_lines, table
-        records = sorted(self.records, key=lambda r: r.test)
-        terminalreporter.section("gpumem: peak memory per rank")
-        for line in table(records):
-            terminalreporter.write_line(line)
-        for title, lines in message_sections(records):
-            terminalreporter.section(f"gpumem: {title}")
+        from .presentation.report import summary
+
+        for title, lines in summary(self.records, self.settings.baselines, self.plots_written, self.settings.plots):
+            if title is not None:
+                terminalreporter.section(f"gpumem: {title}")
             for line in lines:
                 terminalreporter.write_line(line)
-        lines = refresh_lines(records)
-        if lines:
-            terminalreporter.section(f"gpumem: baselines refreshed in {self.settings.baselines}")
-            for line in lines:
-                terminalreporter.write_line(line)
-        if self.plots_written:  # pytest's own sessionfinish hook runs this summary after ours wrote them
-            count = len(self.plots_written)
-            terminalreporter.write_line(f"gpumem: {count} plot{'s' if count > 1 else ''} written to "
-                                        f"{self.settings.plots}")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """The controller writes each output once, covering every xdist worker."""
-        s, records = self.settings, sorted(self.records, key=lambda r: r.test)
-        if self.is_worker or not (records or s.report is not None or s.benchmark_json is not None):
+        """The controller writes each output once, covering every xdist worker (pytest's own
+        sessionfinish hook runs the terminal summary after this)."""
+        s = self.settings
+        if self.is_worker or not (self.records or s.report is not None or s.benchmark_json is not None):
             return
-        from .judging.record import report_document
-        from .presentation import outputs
+        from .presentation.outputs import write_session_outputs
 
-        if s.report is not None:
-            _write(s.report, json.dumps(report_document(records), indent=2) + "\n")
-        if s.benchmark_json is not None:
-            _write(s.benchmark_json, json.dumps(outputs.benchmark_json(records), indent=2) + "\n")
-        if not records:
-            return
-        text = outputs.markdown(records)
-        if s.markdown is not None:
-            _write(s.markdown, text)
-        summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if summary:
-            with open(summary, "a") as handle:
-                handle.write(text + "\n")
-        if s.plots is not None:
-            from .presentation import plots
-
-            self.plots_written = plots.plot_all(records, s.plots)
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def _crash_line(report: pytest.CollectReport | pytest.TestReport) -> str:
-    """The failure in one line, as pytest's short summary shows it (``RuntimeError: boom``)."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    message = str(getattr(crash, "message", "") or "") or report.longreprtext
-    return next((line.strip() for line in message.splitlines() if line.strip()), "")
-
-
-class RankSide:
-    """Inside a rank: run the test normally and write its outcome for the parent."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.rank = file_rank()
-        self.outcome: protocol.RankResult | None = None
-
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
-            self._set("failed", f"collection error in the rank:\n{report.longreprtext}",
-                      f"collection error: {_crash_line(report)}")
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed:
-            where = "" if report.when == "call" else f"in {report.when}: "
-            self._set("failed", f"[{report.when}] {report.longreprtext}", where + _crash_line(report))
-        elif report.skipped and report.when in ("setup", "call"):
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            self._set("skipped", reason)
-        elif report.passed and report.when == "call" and self.outcome is None:
-            from .rankside import protocol
-
-            self.outcome = protocol.RankResult("passed")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        """The rank's start-up ends here: its host capture splits (or begins), before any fixture."""
-        startup_ended()
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        """The body's own GPU allocator figures: peaks reset where it starts, read where it ends
-        (with --gpumem-torch-snapshot, the allocator's history is dumped there too)."""
-        from .rankside import protocol
-
-        protocol.write_body_started(self.workdir, self.rank)  # from here on a relaunch would run user code twice
-        watch = allocator()
-        if watch is not None:
-            watch.body_started()
-        try:
-            return (yield)
-        finally:
-            if watch is not None:
-                dump = protocol.rank_file(self.workdir, self.rank, "snapshot") if os.environ.get(SNAPSHOT_ENV) else None
-                watch.body_ended(dump)
-
-    def _set(self, outcome: RankState, text: str, error: str = "") -> None:
-        from .rankside import protocol
-
-        if self.outcome is None or self.outcome.outcome != "failed":
-            self.outcome = protocol.RankResult(outcome, text, error)
-            if outcome == "failed":
-                # Said at once, before the fixtures' teardown: a teardown that waits in a collective
-                # for peers that never come (dist.barrier() after a failed body) would otherwise hold
-                # the failure back until the launch's timeout. The first failure is final; the
-                # launch ends the ranks after its fail-fast grace (docs/reliability.md).
-                protocol.write_result(self.workdir, self.rank, self.outcome)
-
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        from .rankside import protocol  # the rank's files: loaded inside a rank only
-
-        if self.outcome is not None and self.outcome.outcome == "failed":
-            return  # written when it happened (_set)
-        outcome = self.outcome or protocol.RankResult(
-            "failed", f"the rank's pytest ran no test (exit status {int(exitstatus)}): "
-                      "was the test id collected the same way inside the rank?")
-        protocol.write_result(self.workdir, self.rank, outcome)
+        self.plots_written = write_session_outputs(s, sorted(self.records, key=lambda r: r.test),
+                                                   os.environ.get("GITHUB_STEP_SUMMARY"))

@@ -11,40 +11,96 @@ What differs is passed in: where the ranks' pytest runs from and what it is give
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config.settings import Settings
-from .gate import Gate
-from .judging.baseline import BaselineStore
-from .launching.floor_cache import FloorCache
-from .launching.gpus import FakeGpus, GpuPlanner
-from .launching.launcher import LauncherOptions
-from .launching.leases import default_lease_dir
-from .launching.rank_setup import RankSetup
-from .launching.runner import Runner
-from .launching.startups import Startups
-from .rankside.fakegpu.models import CALIBRATION_FILE
+
+if TYPE_CHECKING:
+    from .config.spec import Spec
+    from .gate import Gate, Outcome
+    from .launching.runner import Runner
+    from .launching.scaling import Capacity
+
+# The machinery (gate, runner, NVML, leases, baselines, psutil, filelock) is imported when a session
+# is built, at the first gpumem test that runs: every pytest session where the plugin is installed
+# imports this module's caller, and pays nothing until then (benchmarks/startup.py).
 
 
-@dataclass(frozen=True)
+def preflight(settings: Settings) -> str | None:
+    """What makes this session unusable before any launch (a fake GPU model nobody measured, plots
+    asked for without matplotlib): the option and what to do, or None."""
+    if settings.enabled and settings.fake_gpu != "off":
+        from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
+
+        try:
+            model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
+        except CalibrationError as exc:
+            return f"gpumem_fake_gpu_model: {exc}"
+    if settings.plots is not None:
+        from .presentation import plots
+
+        try:
+            plots.check_available()
+        except plots.PlotsUnavailable as exc:
+            return f"--gpumem-plots: {exc}"
+    return None
+
+
+@dataclass
 class Session:
-    """One session's machinery: the runner that launches every size, the gate that judges a test."""
+    """One session's machinery: the runner that launches every size, the gate that judges a test,
+    and the GPUs counted once for the sizes that may pass them."""
 
     settings: Settings
     runner: Runner
     gate: Gate
+    _capacity: Capacity | None = field(default=None, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, rootdir: Path, cwd: Path,
                       rank_pytest_args: Callable[[str], list[str]], start_refusal: str | None = None) -> Session:
         """Everything a launch needs, from ``settings`` alone (and what only the caller knows)."""
+        from .gate import Gate
+        from .judging.baseline import BaselineStore
+
         return cls(settings=settings, runner=_runner(settings, rootdir, cwd, rank_pytest_args, start_refusal),
                    gate=Gate(settings, BaselineStore(settings.baselines)))
+
+    @property
+    def capacity(self) -> Capacity:
+        """How many ranks a launch may have; GPUs are counted at the first test that asks."""
+        if self._capacity is None:
+            from .launching import scaling
+            from .sampling.nvml import visible_gpus
+
+            self._capacity = scaling.Capacity(self.settings.max_nproc, self.settings.predict,
+                                              lambda: len(visible_gpus()))
+        return self._capacity
+
+    def run(self, test_id: str, spec: Spec) -> Outcome:
+        """One test, launched at its sizes and judged: a broken baseline file fails before any launch."""
+        from .launching import scaling
+
+        outcome = self.gate.before_launch(test_id, spec)
+        if outcome is not None:
+            return outcome
+        relaunch = self.runner.relaunch_for_sites if self.settings.sites == "auto" else None
+        return self.gate.evaluate(scaling.run(self.runner, test_id, spec, self.capacity), relaunch=relaunch)
 
 
 def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
             start_refusal: str | None) -> Runner:
+    from .launching.floor_cache import FloorCache
+    from .launching.gpus import FakeGpus, GpuPlanner
+    from .launching.launcher import LauncherOptions
+    from .launching.leases import default_lease_dir
+    from .launching.rank_setup import RankSetup
+    from .launching.runner import Runner
+    from .launching.startups import Startups
+    from .rankside.fakegpu.models import CALIBRATION_FILE
+
     interval = settings.interval_ms / 1000.0 if settings.interval_ms else None
     setup = RankSetup(
         rootdir=rootdir,

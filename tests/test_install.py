@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.plugin import unsupported_platform
+from pytest_gpumem.config.settings import unsupported_platform
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("psutil", "filelock", "pynvml", "matplotlib", "torch", "oneflow")
@@ -64,8 +64,9 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     ours = {m for m in result["modules"] if m.startswith("pytest_gpumem")}
     # (protocol: the rank files' names and readers, standard library only; the rank side uses it;
     # fakegpu.models: the fake GPU's model checked at configure, standard library only; hookspecs: the
-    # pytest_gpumem_launchers spec, pluggy only)
-    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.hookspecs", "pytest_gpumem.config",
+    # pytest_gpumem_launchers spec, pluggy only; session: its preflight, the machinery imported when built)
+    assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.hookspecs", "pytest_gpumem.session",
+                    "pytest_gpumem.config",
                     "pytest_gpumem.config.settings",
                     "pytest_gpumem.config.spec", "pytest_gpumem.rankside", "pytest_gpumem.rankside.protocol",
                     "pytest_gpumem.rankside.rank", "pytest_gpumem.rankside.fakegpu",
@@ -77,8 +78,8 @@ def test_without_the_resource_module_and_off_linux_gpumem_tests_skip_saying_why(
     """A platform without `resource` (Windows) imports the plugin; gpumem tests skip, never crash."""
     result, out = probe(project, "--gpumem", setup='''
         sys.modules["resource"] = None  # import resource -> ImportError, as on Windows
-        import pytest_gpumem.plugin, pytest_gpumem.rankside.rank
-        pytest_gpumem.plugin.sys = type("FakeSys", (), {"platform": "win32"})
+        import pytest_gpumem.plugin, pytest_gpumem.rankside.rank, pytest_gpumem.config.settings
+        pytest_gpumem.config.settings.sys = type("FakeSys", (), {"platform": "win32"})
     ''')
     assert result["code"] == 0, out
     assert "1 passed, 1 skipped" in out

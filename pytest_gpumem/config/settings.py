@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -468,3 +469,29 @@ def default_floor_cache(env: Mapping[str, str]) -> Path:
 
 def option(name: str) -> Option:
     return _BY_NAME[name]
+
+
+def unsupported_platform(platform: str | None = None) -> str | None:
+    """Why gpumem tests cannot run here, or None on Linux (ranks read /proc and use prctl)."""
+    platform = sys.platform if platform is None else platform
+    if platform.startswith("linux"):
+        return None
+    return f"pytest-gpumem runs on Linux only (it reads /proc and uses prctl); this is {platform}"
+
+
+def rootdir_conflict(args: list[str], invocation_dir: Path, rootdir: Path) -> str | None:
+    """Why a run whose rootdir (and so whose baselines folder) came from one of our option values
+    must stop, or None.
+
+    pytest picks the rootdir from the command line's paths before plugins declare their options,
+    so in ``--gpumem-plots /tmp/x`` the folder counts as a path: without an ini file or --rootdir
+    the rootdir moves to ``/tmp`` and baselines would be read from and written to ``/tmp/baselines``.
+    """
+    flags = {o.flag for o in OPTIONS}
+    for flag, value in zip(args, args[1:]):
+        if flag in flags and Path(invocation_dir, value).exists():
+            return (f"{flag} {value}: pytest took {value!r} for a test path when it chose the "
+                    f"rootdir ({rootdir}), where the baselines folder is found. Write {flag}={value}, "
+                    "or pass --rootdir, or give the project an ini file (pytest.ini, or [tool.pytest.ini_options] "
+                    "in pyproject.toml)")
+    return None

@@ -48,6 +48,19 @@ _OMP_ENV = "OMP_NUM_THREADS"
 _BYTECODE_ENV = "PYTHONDONTWRITEBYTECODE"
 
 
+def pytest_refusal(faulthandler_timeout: object) -> str | None:
+    """What in the pytest session forbids forking ranks from it, from its ini value
+    ``faulthandler_timeout``: its watchdog thread is armed during the test, and a child re-arming it
+    would hang."""
+    try:
+        timeout = float(str(faulthandler_timeout or 0))
+    except ValueError:
+        timeout = 0.0
+    if timeout > 0:
+        return "faulthandler_timeout is set (its watchdog cannot be re-armed in a forked rank)"
+    return None
+
+
 def refusal(rank_env: Mapping[str, str]) -> str | None:
     """Why this process cannot fork ranks now, or None when it can."""
     if not hasattr(os, "fork") or not sys.platform.startswith("linux"):

@@ -127,3 +127,19 @@ class RankSetup:
         """Why the ranks were exec'd, where the record says it: always when a fork was asked for;
         under auto, unless the reason is the usual one."""
         return refused_at_fork or (refused if refused not in QUIET or self.start == "fork" else None)
+
+
+def pytest_argv(test_id: str, *, rootdir: Path, inipath: Path | None, xdist: bool, load_plugin: bool) -> list[str]:
+    """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games.
+
+    ``xdist``: the ini's addopts may ask for workers, not inside a rank; ``load_plugin``: plugin
+    autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so the rank names this plugin itself."""
+    path, _, rest = test_id.partition("::")
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--runxfail", "--rootdir", str(rootdir)]
+    if inipath is not None:
+        args += ["-c", str(inipath)]
+    if xdist:
+        args += ["-n", "0"]
+    if load_plugin:
+        args += ["-p", "pytest_gpumem.plugin"]
+    return [*args, str(rootdir / path) + ("::" + rest if rest else "")]

@@ -7,10 +7,13 @@ code serves the pytest session, the ``gpumem diff`` command and a report loaded 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..judging.record import CAUSES, TestRecord
+from ..config.settings import Settings
+from ..judging.record import CAUSES, TestRecord, report_document
 from ..judging.report_diff import DiffRow, ReportDiff, delta
 from .report import floor_split
 
@@ -331,3 +334,31 @@ def diff_markdown(diff: ReportDiff, old_label: str = "old", new_label: str = "ne
         lines += [f"- `{row.test}` nproc={row.nproc}: " + ", ".join(f"`{_cell(s)}`" for s in row.sites[:3])
                   for row in grown]
     return "\n".join(lines) + "\n"
+
+
+def write_session_outputs(settings: Settings, records: Sequence[TestRecord], step_summary: str | None) -> list[Path]:
+    """Every output a session asked for, written once (by the xdist controller, covering every
+    worker): the JSON report, benchmark JSON, Markdown, the GitHub step summary (``step_summary``:
+    $GITHUB_STEP_SUMMARY, appended to) and the plots, which it returns."""
+    if settings.report is not None:
+        _write(settings.report, json.dumps(report_document(records), indent=2) + "\n")
+    if settings.benchmark_json is not None:
+        _write(settings.benchmark_json, json.dumps(benchmark_json(records), indent=2) + "\n")
+    if not records:
+        return []
+    text = markdown(records)
+    if settings.markdown is not None:
+        _write(settings.markdown, text)
+    if step_summary:
+        with open(step_summary, "a") as handle:
+            handle.write(text + "\n")
+    if settings.plots is None:
+        return []
+    from . import plots
+
+    return plots.plot_all(records, settings.plots)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -3,7 +3,8 @@ the refreshed baselines."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Sequence
 
 from ..judging.record import SizeRecord, TestRecord
 from ..sampling.allocations import is_allocation_method
@@ -142,3 +143,18 @@ def refresh_lines(records: Iterable[TestRecord]) -> list[str]:
                 text += " (this run fails its limits: the baseline now records that; review before committing)"
             lines.append(f"{rec.test} nproc={change.nproc}: {text}")
     return lines
+
+
+def summary(records: Sequence[TestRecord], baselines: Path, plots: Sequence[Path] = (),
+            plots_dir: Path | None = None) -> list[tuple[str | None, list[str]]]:
+    """The session's terminal summary as ``(section title, lines)``: the table, a section per cause
+    with messages, the baselines refreshed; the plots written as a line without a section."""
+    records = sorted(records, key=lambda r: r.test)
+    sections: list[tuple[str | None, list[str]]] = [("peak memory per rank", table(records))]
+    sections.extend(message_sections(records))
+    refreshed = refresh_lines(records)
+    if refreshed:
+        sections.append((f"baselines refreshed in {baselines}", refreshed))
+    if plots:
+        sections.append((None, [f"gpumem: {len(plots)} plot{'s' if len(plots) > 1 else ''} written to {plots_dir}"]))
+    return sections

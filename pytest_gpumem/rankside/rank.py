@@ -122,7 +122,7 @@ def _startup_given(value: str, rank: int) -> tuple[float, float] | None:
 
 
 def allocator() -> "TorchAllocator | None":
-    """The rank's torch allocator watch, for the test body's start and end (plugin.RankSide)."""
+    """The rank's torch allocator watch, for the test body's start and end (rank_plugin.RankSide)."""
     return this_rank.allocator
 
 
