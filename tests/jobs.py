@@ -519,8 +519,9 @@ def zero_job(stage=STAGE):
 
 
 # A job written with Hugging Face accelerate: Accelerator(), prepare() (DDP over gloo on CPU, NCCL on
-# a GPU), accelerator.backward. The regression gathers every rank's 64 MiB batch (accelerator.gather,
-# e.g. for a metric) and keeps it: it grows with the world, as boxing did.
+# a GPU), accelerator.backward. The regression gathers every rank's 64 MiB of outputs (accelerator.gather,
+# e.g. for a metric) and keeps them: it grows with the world, as boxing did. The training batch is
+# small (4 MiB): the figure is the model's, not three steps of CPU matmuls.
 TORCH_ACCELERATE = '''
 import pytest
 import torch
@@ -535,13 +536,14 @@ def accelerate_job(gather=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
     model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
-    batch = torch.randn(64 * MiB // 4 // 1024, 1024, device=accelerator.device)
-    kept = accelerator.gather(batch) if gather else None  # the regression: the global batch on every rank
+    batch = torch.randn(1024, 1024, device=accelerator.device)
+    outputs = torch.randn(64 * MiB // 4 // 1024, 1024, device=accelerator.device)
+    kept = accelerator.gather(outputs) if gather else None  # the regression: every rank's outputs on every rank
     for _ in range(3):
         accelerator.backward(model(batch).pow(2).mean())
         optimizer.step()
         optimizer.zero_grad()
-    assert kept is None or kept.shape[0] == batch.shape[0] * accelerator.num_processes
+    assert kept is None or kept.shape[0] == outputs.shape[0] * accelerator.num_processes
     accelerator.end_training()
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 '''

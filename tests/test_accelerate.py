@@ -1,8 +1,9 @@
 """A job written with Hugging Face accelerate under the plugin (issue 35): tests/jobs.py
 TORCH_ACCELERATE, ``Accelerator()`` and ``prepare()`` (DDP over gloo on CPU), launched for real.
 
-The healthy job holds its figure from 1 to 2 ranks (1.00x); its twin gathers every rank's 64 MiB
-batch (``accelerator.gather``) and keeps it, which grows with the world and fails ``max_ratio``.
+The healthy job holds its figure from 1 to 2 ranks (1.00x); its twin gathers every rank's 64 MiB of
+outputs (``accelerator.gather``) and keeps them, which grows with the world and fails ``max_ratio``
+(1.17x).
 Real against simulated at 2, 4 and 8: benchmarks/results/framework_validation_accelerate.txt."""
 
 from __future__ import annotations
@@ -45,5 +46,5 @@ def test_accelerate_ddp_holds_its_ratio_and_gathering_every_ranks_batch_fails_it
     print(ratios)
     result.assert_outcomes(passed=1, failed=1)
     assert records["test_ddp_gathering_the_batch"]["status"] == "failed"
-    assert ratios["test_ddp"] <= 1.02 < ratios["test_ddp_gathering_the_batch"]  # 1.00x and 1.05x measured
+    assert ratios["test_ddp"] <= 1.02 < ratios["test_ddp_gathering_the_batch"]  # 1.00x and 1.17x measured
     result.stdout.fnmatch_lines(["*rank 0 at nproc=2 *: peak * MiB > 1.02 x * MiB (nproc=1)*"])

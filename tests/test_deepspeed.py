@@ -2,11 +2,12 @@
 ZeRO-3, on DeepSpeed's CPU accelerator with gloo.
 
 ZeRO-3 -> ZeRO-1 (the config's stage, declared on the marker) is the regression: every rank then
-keeps the whole model and its gradients. At nproc=4 it reads 604 MiB against ZeRO-3's 525-543; at 2
-the two are alike (732 MiB), at 1 ZeRO-1 holds less. The simulated world (``assume="alike"``: ZeRO-3
-reads rank 0's broadcast lists to check the ranks agree) reads each size within 0.3 MiB of real gloo
-at 2 and 18 MiB under it at 4 (gloo's reduce-scatter fallback holds a layer's gradient):
-benchmarks/results/framework_validation_deepspeed.txt. One H200: tests/test_gpu.py -k deepspeed."""
+keeps the whole model and its gradients. At nproc=4 it reads 605 MiB against ZeRO-3's 526-545; at 2
+the two are alike (733 MiB), so the test gates 4, simulated (``assume="alike"``: ZeRO-3 reads rank
+0's broadcast lists to check the ranks agree). Real gloo against simulated at 2, 4 and 8 (within
+0.3 MiB at 2, 18 MiB under at 4 and 8: gloo's reduce-scatter fallback holds a layer's gradient) is
+benchmarks/results/framework_validation_deepspeed.txt, not repeated here (each DeepSpeed launch
+costs about 20 s on 2 cores). One H200: tests/test_gpu.py -k deepspeed."""
 
 from __future__ import annotations
 
@@ -22,22 +23,11 @@ from jobs import TORCH_ZERO
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
 FRAMEWORKS = Path(sys.prefix) / "frameworks"  # make venvs puts DeepSpeed there (tests/frameworks.txt)
-MARGIN_MIB = 1.0  # real - simulated at nproc=2: 0.02-0.23 MiB (framework_validation_deepspeed.txt)
 
 TESTS = '''
 
-@pytest.mark.gpumem(nproc=[1, 4], device="cpu", simulate="on", assume="alike", config={"zero_stage": STAGE})
+@pytest.mark.gpumem(nproc=4, device="cpu", simulate="on", assume="alike", config={"zero_stage": STAGE})
 def test_zero():
-    zero_job()
-
-
-@pytest.mark.gpumem(nproc=2, device="cpu", simulate="off", config={"zero_stage": STAGE})
-def test_real_2():
-    zero_job()
-
-
-@pytest.mark.gpumem(nproc=2, device="cpu", simulate="on", assume="alike", config={"zero_stage": STAGE})
-def test_simulated_2():
     zero_job()
 '''
 
@@ -63,19 +53,18 @@ def run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, stage: str,
     return result, records
 
 
-def test_zero3_to_zero1_fails_its_baseline_at_4_naming_the_config_change_and_simulated_reads_real(
-        pytester, monkeypatch, deepspeed_path, launch_tag):
-    pytester.makepyfile(test_ds=TORCH_ZERO + TESTS)  # not test_zero.py: -k test_zero below
+def test_zero3_to_zero1_fails_its_baseline_at_4_naming_the_config_change(pytester, monkeypatch, deepspeed_path,
+                                                                         launch_tag):
+    pytester.makepyfile(test_ds=TORCH_ZERO + TESTS)
     first, records = run(pytester, monkeypatch, "3", "--gpumem-refresh")
-    first.assert_outcomes(passed=3)
-    real, simulated = records["test_real_2"]["sizes"][0], records["test_simulated_2"]["sizes"][0]
-    assert simulated["simulated"] == [0] and real["simulated"] == []
-    assert abs(real["gated_mib"] - simulated["gated_mib"]) <= MARGIN_MIB, (real["gated_mib"], simulated["gated_mib"])
+    first.assert_outcomes(passed=1)
+    zero3 = records["test_zero"]["sizes"][0]
+    assert zero3["simulated"] == [0], zero3["simulated"]
 
-    switched, records = run(pytester, monkeypatch, "1", "-k", "test_zero")
+    switched, records = run(pytester, monkeypatch, "1")
     switched.assert_outcomes(failed=1)
-    sizes = records["test_zero"]["sizes"]
-    assert [s["nproc"] for s in sizes if any(not c["ok"] for c in s["checks"])] == [4]
+    zero1 = records["test_zero"]["sizes"][0]
+    assert zero1["gated_mib"] > zero3["gated_mib"] + 40, (zero1["gated_mib"], zero3["gated_mib"])  # 605 vs 526-545
     lines = switched.stdout.lines
     headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
     assert lines[headline + 1].endswith("config.zero_stage: 3 -> 1"), lines[headline:headline + 2]
