@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
-# and every rank loads it too (needing only RankSide). The parent's machinery (runner, gate, NVML,
+# and every rank loads it too (needing only rankside.rank_plugin). The parent's machinery (runner, gate, NVML,
 # leases, baselines, psutil, filelock) is imported at the first gpumem test that runs, the outputs
 # only when there is something to write. `make bench` measures the cost (benchmarks/startup.py).
 
