@@ -221,9 +221,9 @@ class ParentSide:
         self.is_worker = hasattr(config, "workerinput")
         self._session: Session | None = None
 
-    @property
-    def session(self) -> Session:
-        """The machinery, built at the first gpumem test that runs (``session.py``)."""
+    def machinery(self) -> Session:
+        """The machinery, built at the first gpumem test that runs (``session.py``). A method, not a
+        property: pytest 8.0 reads every attribute of a registered plugin while it looks for fixtures."""
         if self._session is None:
             from .launching.forking import pytest_refusal
             from .launching.rank_setup import pytest_argv
@@ -258,7 +258,7 @@ class ParentSide:
             items[index] = GpumemItem.from_parent(item.parent, name=item.name, spec=spec, original=item, side=self)
 
     def run_item(self, item: GpumemItem) -> None:
-        self._finish(item, self.session.run(item.nodeid, item.spec))
+        self._finish(item, self.machinery().run(item.nodeid, item.spec))
 
     def _finish(self, item: GpumemItem, outcome: Outcome) -> None:
         """The outcome as pytest's: the record on the report, then skip, fail or warnings."""
