@@ -11,6 +11,7 @@ TO := .venv-torch
 FLOOR := .venv-floor
 DOCS := .venv-docs
 DEEPSPEED := 0.19.8
+MEGATRON := 0.19.2
 PYTEST_FLAGS ?= -p no:cacheprovider
 # What the floor venv and tools/check-dist run: the plugin end to end (collection, wrappers, a real
 # launch, the baseline lifecycle) and the pure core, without OneFlow or torch.
@@ -130,6 +131,9 @@ gpu-wheels: $(TO)/.ready
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 		-d .whl -r tests/frameworks-deepspeed.txt
 	cp $(TO)/wheels/deepspeed-$(DEEPSPEED)-*.whl .whl/
+	# Megatron-Core (tests/test_gpu.py -k megatron): its wheel is built per Python; it needs torch, numpy, packaging.
+	$(TO)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl megatron-core==$(MEGATRON)
 
 test-gpu:
 	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py tests/test_gpu_reruns.py

@@ -547,3 +547,68 @@ def accelerate_job(gather=False):
     accelerator.end_training()
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 '''
+
+
+# A Megatron-Core GPT (8 layers, hidden 2048, vocabulary 32768) at TP=2 x PP=2 with its own 1F1B
+# schedule (get_forward_backward_func), data parallel over what is left of the world: 4 ranks are one
+# model, 8 are two replicas. The smallest world is 4, so the ratio is taken against reference=4. The
+# regression keeps every data-parallel rank's gradients on every rank (an all_gather over the
+# data-parallel group per step), which grows with dp. Needs CUDA (Megatron's RNG tracker is CUDA's).
+TORCH_MEGATRON = '''
+import datetime
+import os
+
+import pytest
+
+TP, PP = 2, 2
+
+
+def megatron_job(gather=False, steps=2, microbatches=4):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(num_layers=8, hidden_size=2048, num_attention_heads=16, pipeline_dtype=torch.float32,
+                               params_dtype=torch.float32, tensor_model_parallel_size=TP,
+                               pipeline_model_parallel_size=PP)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32768,
+                     max_sequence_length=1024, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    seq, mbs = 1024, 4
+    tokens = torch.randint(0, 32768, (mbs, seq), device="cuda")
+    position_ids = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, device="cuda", dtype=torch.bool), diagonal=1)
+    kept = []
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        output = model(tokens, position_ids, mask, labels=tokens)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"loss": loss.detach()}
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    for _ in range(steps):
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(range(microbatches)), model=model,
+                         num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        if gather:  # the regression: every data-parallel rank's gradients kept on every rank
+            group = parallel_state.get_data_parallel_group()
+            for p in model.parameters():
+                out = torch.empty((group.size(),) + tuple(p.grad.shape), device="cuda")
+                torch.distributed.all_gather_into_tensor(out, p.grad.contiguous(), group=group)
+                kept.append(out)
+        model.zero_grad()
+    torch.cuda.synchronize()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+'''

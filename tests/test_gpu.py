@@ -749,3 +749,45 @@ def test_deepspeed_zero3_to_zero1_fails_its_baseline_at_8_naming_the_config_chan
     lines = switched.stdout.lines
     headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
     assert lines[headline + 1].endswith("config.zero_stage: 3 -> 1"), lines[headline:headline + 2]
+
+
+# Megatron-Core GPT at TP=2 x PP=2 (tests/jobs.py TORCH_MEGATRON): world 4 is one model, 8 two
+# replicas, both simulated on one GPU, every rank measured in turn (rank="all"), the ratio against
+# reference=4: nothing smaller is launched.
+MEGATRON_TESTS = '''
+@pytest.mark.gpumem(nproc=[4, 8], device="gpu", rank="all", reference=4, max_ratio=1.05)
+def test_megatron():
+    megatron_job()
+
+
+@pytest.mark.gpumem(nproc=[4, 8], device="gpu", rank="all", reference=4, max_ratio=1.05)
+def test_megatron_gathering_grads():
+    megatron_job(gather=True)
+'''
+
+
+@needs_gpu
+def test_megatron_tp2_pp2_holds_its_ratio_from_4_to_8_and_a_gradient_gather_over_dp_fails_it(pytester, launch_tag):
+    """The largest rank is found, not assumed: the first pipeline stage (embedding, more microbatches
+    in flight under 1F1B). Healthy, its allocator figure is the same at 4 and 8 (dp 1 -> 2 shards
+    nothing here: no distributed optimizer); keeping every dp rank's gradients grows it (1.07x)."""
+    pytest.importorskip("megatron.core")
+    from jobs import TORCH_MEGATRON
+
+    result, records = _run_job(pytester, "test_megatron", TORCH_MEGATRON + MEGATRON_TESTS)
+    for name, rec in records.items():
+        for size in rec["sizes"]:
+            print(f"{name} nproc={size['nproc']}: {size['gated_label']}, allocated {size['allocated_mib']} MiB, "
+                  f"ratio {size['ratio']}, simulated {size['simulated']}, every rank (allocated) "
+                  f"{ {r: a['allocated_mib'] for r, a in size['allocated_ranks'].items()} }")
+    assert {name: rec["status"] for name, rec in records.items()} == {
+        "test_megatron": "passed", "test_megatron_gathering_grads": "failed"}
+    healthy, gathering = records["test_megatron"], records["test_megatron_gathering_grads"]
+    assert [s["nproc"] for s in healthy["sizes"]] == [4, 8]  # no nproc=1 launch
+    assert all(s["simulated"] == list(range(s["nproc"])) for s in healthy["sizes"])
+    top = _size(healthy, 8)
+    largest = max(top["allocated_ranks"].items(), key=lambda item: item[1]["allocated_mib"])
+    first_stage = {str(r) for r in range(4)}  # Megatron's order tp-dp-pp: ranks 0-3 are stage 0 at 8
+    assert largest[0] in first_stage and top["gated_rank"] in {int(r) for r in first_stage}, top["gated_label"]
+    assert _size(healthy, 8)["ratio"] <= 1.05 < _size(gathering, 8)["ratio"]
+    result.stdout.fnmatch_lines(["*rank * (largest) at nproc=8 *: peak * MiB > 1.05 x * MiB (nproc=4)*"])
