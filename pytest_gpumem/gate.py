@@ -14,10 +14,12 @@ from .config.spec import Spec, Tolerance
 from .judging import growth as growth_mod
 from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry
-from .judging.explain import CONFIG_PREFIX, config_provenance, provenance_diff, timeline_lines
+from .judging.explain import provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
-from .judging.verdict import ALLOCATED, BaselineRef, SizeResult, Verdict, judge
+from .judging.verdict import BaselineRef, Verdict, judge
 from .launching.runner import TestRun
+from .measurement.provenance import CONFIG_PREFIX, config_provenance
+from .measurement.size import ALLOCATED, SizeResult
 from .oneflow import boxing
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance

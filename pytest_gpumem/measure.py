@@ -230,11 +230,12 @@ def scaling_table(rec: TestRecord) -> list[str]:
     header = ("nproc", "gated MiB", "other ranks MiB", "largest MiB", "ratio", "seconds", "how")
     rows = []
     for size in rec.sizes:
-        ranks = {r: p.mib for r, p in size.ranks.items() if p.mib is not None}
+        peaks = size.measured.peaks
+        ranks = {r: p.mib for r, p in peaks.items() if p.mib is not None}
         others = [v for r, v in ranks.items() if r != size.gated_rank]
         largest = max(ranks.items(), key=lambda item: item[1]) if ranks else None
         how = f"{size.device}, {size.basis}" if size.predicted else (
-            f"{size.device}, " + ", ".join(sorted({p.method for p in size.ranks.values()}) or ["not available"]))
+            f"{size.device}, " + ", ".join(sorted({p.method for p in peaks.values()}) or ["not available"]))
         rows.append((
             str(size.nproc) + (" (predicted)" if size.predicted else ""),
             f"{_mib(size.gated_mib)} ({size.gated_label})",
@@ -242,7 +243,7 @@ def scaling_table(rec: TestRecord) -> list[str]:
                                     else f"{min(others):.1f}-{max(others):.1f}"),
             "-" if largest is None else f"{largest[1]:.1f} (rank {largest[0]})",
             "-" if size.ratio is None else f"{size.ratio:.2f}x",
-            "-" if size.predicted else f"{size.duration_s:.1f}",
+            "-" if size.predicted else f"{size.measured.duration_s:.1f}",
             how,
         ))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

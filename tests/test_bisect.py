@@ -26,6 +26,8 @@ from pytest_gpumem.bisect.commits import Commit, between, resolve_commit
 from pytest_gpumem.bisect.search import Judge, search, site_lines
 from pytest_gpumem.config.spec import Tolerance
 from pytest_gpumem.judging.record import SizeRecord
+from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.sampling.sites import from_dicts
 
 GPUMEM = Path(sys.executable).with_name("gpumem")  # the console script, as a user runs it
 
@@ -197,29 +199,32 @@ def test_the_commits_searched_are_the_first_parent_history_that_contains_good(tm
 # ---------------------------------------------------------------------------------------------- peak sites
 
 
-def _size(sites: dict | None, gated_rank: int = 0) -> dict:
-    raw = {"nproc": 2, "gated_rank": gated_rank, "gated_mib": 1.0}
-    if sites is not None:
-        raw["sites"] = sites
-    return raw
+def _size(sites: dict | None, gated_rank: int = 0) -> SizeRecord:
+    """A size as a report holds it: its sites read back from their JSON (rank -> list of sites)."""
+    listed = {int(rank): tuple(from_dicts(raw)) for rank, raw in (sites or {}).items()}
+    measured = SizeResult(2, "cpu", {}, sites=listed)
+    return SizeRecord(measured, gated_rank=gated_rank, gated_label=f"rank {gated_rank}", gated_mib=1.0)
+
+
+GOOD = {"0": [{"mib": 10.0, "count": 1, "where": "a.py:3", "function": "f", "detail": ""},
+              {"mib": 64.0, "count": 2, "where": "a.py:9", "function": "g", "detail": "all_gather"}],
+        "1": [{"mib": 1.0, "count": 1, "where": "z.py:1", "function": "z", "detail": ""}]}
+BAD = {"0": [{"mib": 10.0, "count": 1, "where": "a.py:3", "function": "f", "detail": ""},
+             {"mib": 320.0, "count": 4, "where": "a.py:9", "function": "g", "detail": "all_gather"},
+             {"mib": 4.25, "count": 1, "where": "b.py:7", "function": "h", "detail": ""},
+             {"mib": 0.5, "count": 1, "where": "a.py:1", "function": "", "detail": ""}],
+       "1": [{"mib": 900.0, "count": 1, "where": "z.py:1", "function": "z", "detail": ""}]}
 
 
 def test_site_lines_lists_what_grew_or_is_new_largest_first():
-    good = _size({"0": [{"mib": 10.0, "count": 1, "where": "a.py:3", "function": "f", "detail": ""},
-                        {"mib": 64.0, "count": 2, "where": "a.py:9", "function": "g", "detail": "all_gather"}],
-                  "1": [{"mib": 1.0, "count": 1, "where": "z.py:1", "function": "z", "detail": ""}]})
-    bad = _size({"0": [{"mib": 10.0, "count": 1, "where": "a.py:3", "function": "f", "detail": ""},
-                       {"mib": 320.0, "count": 4, "where": "a.py:9", "function": "g", "detail": "all_gather"},
-                       {"mib": 4.25, "count": 1, "where": "b.py:7", "function": "h", "detail": ""},
-                       {"mib": 0.5, "count": 1, "where": "a.py:1", "function": "", "detail": ""}],
-                 "1": [{"mib": 900.0, "count": 1, "where": "z.py:1", "function": "z", "detail": ""}]})
+    good, bad = _size(GOOD), _size(BAD)
     assert site_lines(good, bad) == ["+256.0 MiB  a.py:9 g (all_gather)", "+4.2 MiB  b.py:7 h  (new)",
                                      "(1 smaller site +0.5 MiB)"]
-    assert site_lines(_size(good["sites"], 1), _size(bad["sites"], 1)) == ["+899.0 MiB  z.py:1 z"]
+    assert site_lines(_size(GOOD, 1), _size(BAD, 1)) == ["+899.0 MiB  z.py:1 z"]
 
 
 def test_site_lines_is_empty_without_sites():
-    typed = SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=1.0)
+    typed = SizeRecord(SizeResult(2, "cpu", {}), gated_rank=0, gated_label="rank 0", gated_mib=1.0)
     assert site_lines(typed, typed) == []
     assert site_lines(_size(None), _size({"0": [{"mib": 5.0, "where": "a.py:1"}]})) == []
     shrunk = _size({"0": [{"mib": 5.0, "count": 1, "where": "a.py:1", "function": "f", "detail": ""}]})

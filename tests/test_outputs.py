@@ -23,8 +23,10 @@ from pytest_gpumem import cli
 from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import CheckRecord, Limits, SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
+from pytest_gpumem.measurement.size import FloorResult, SizeResult
 from pytest_gpumem.presentation import outputs, plots
 from pytest_gpumem.sampling import Peak
+from pytest_gpumem.sampling.sites import Site
 
 REAL = Path(__file__).parent / "data" / "record_torch_ddp.json"
 HEALTHY = "examples/test_torch_ddp.py::test_torch_ddp"
@@ -35,11 +37,15 @@ def size(nproc: int, gated: float | None, baseline: float | None = None, *, rati
          failed: bool = False, device: str = "gpu", rank: int = 0, largest: bool = False, reused: bool = False,
          method: str = "per-pid sampled") -> SizeRecord:
     check = CheckRecord("max_ratio", not failed, gated, 1000.0, "over the ratio limit" if failed else "within it")
-    return SizeRecord(nproc=nproc, device=device, gated_rank=rank,
-                      gated_label=f"rank {rank}" + (" (largest)" if largest else ""), gated_mib=gated,
-                      ranks={r: Peak(gated, method) for r in range(nproc)}, checks=(check,), ratio=ratio,
-                      baseline_mib=baseline, others_max_mib=gated, duration_s=1.0, reused=reused,
-                      timeline=((0.0, {0: 10.0}), (0.5, {0: gated or 0.0})))
+    measured = SizeResult(nproc, device, {r: Peak(gated, method) for r in range(nproc)}, duration_s=1.0,
+                          reused=reused, timeline=((0.0, {0: 10.0}), (0.5, {0: gated or 0.0})))
+    return SizeRecord(measured, gated_rank=rank, gated_label=f"rank {rank}" + (" (largest)" if largest else ""),
+                      gated_mib=gated, checks=(check,), ratio=ratio, baseline_mib=baseline, others_max_mib=gated)
+
+
+def measured(size: SizeRecord, **changes: Any) -> SizeRecord:
+    """``size`` with its measurement changed (the record's judged fields as they were)."""
+    return dataclasses.replace(size, measured=dataclasses.replace(size.measured, **changes))
 
 
 def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None = None,
@@ -221,7 +227,7 @@ def test_plot_writes_a_png_per_test(real, tmp_path):
 
 def test_plot_copes_with_missing_samples_and_limits(tmp_path):
     pytest.importorskip("matplotlib")
-    bare = dataclasses.replace(size(2, None, device="cpu"), timeline=(), checks=())
+    bare = dataclasses.replace(measured(size(2, None, device="cpu"), timeline=()), checks=())
     record = rec("t::odd[a/b|c]", "failed/crash", bare, size(4, 900.0, 800.0, ratio=None, failed=True), max_mib=850.0)
     path = tmp_path / plots.plot_filename(record.test)
     plots.plot(record, path)
@@ -359,8 +365,8 @@ def test_diff_as_a_command(reports):
 # ---------------------------------------------------------------------------------------------- peak sites
 
 
-def _site(where: str, mib: float, function: str = "train_step") -> dict:
-    return {"where": where, "function": function, "detail": "", "mib": mib, "count": 1, "internal": False}
+def _site(where: str, mib: float, function: str = "train_step") -> Site:
+    return Site(where, function, "", mib)
 
 
 def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
@@ -368,8 +374,8 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
 
     from pytest_gpumem.judging.record import SiteChange
 
-    old_size = replace(size(2, 300.0), sites={0: (_site("examples/a.py:40", 128.0),)})
-    new_size = replace(size(2, 700.0), sites={0: (_site("examples/a.py:40", 128.0), _site("examples/a.py:57", 256.0),
+    old_size = measured(size(2, 300.0), sites={0: (_site("examples/a.py:40", 128.0),)})
+    new_size = measured(size(2, 700.0), sites={0: (_site("examples/a.py:40", 128.0), _site("examples/a.py:57", 256.0),
                                                   _site("examples/a.py:60", 100.0), _site("examples/a.py:61", 20.0),
                                                   _site("examples/a.py:62", 10.0))})
     grown = tuple(SiteChange(f"examples/a.py:{line} train_step", 0.0, mib) for line, mib in
@@ -412,11 +418,11 @@ def test_the_allocator_figure_is_in_every_output():
 def test_the_floor_is_shown_as_floor_plus_job_wherever_it_was_measured():
     """CPU or GPU alike (--gpumem-floor): the table and the Markdown split the gated figure; without
     a floor neither grows a column."""
-    from pytest_gpumem.judging.record import FloorRecord
     from pytest_gpumem.presentation.report import table
 
-    floored = dataclasses.replace(size(2, 530.0, device="cpu"),
-                                  floor=FloorRecord("torch", "torch start-up + communicator", {0: 180.5, 1: 181.0}))
+    plain = size(2, 530.0, device="cpu")
+    floored = dataclasses.replace(plain, measured=dataclasses.replace(
+        plain.measured, floor=FloorResult("torch", {0: 180.5, 1: 181.0})))
     records = [rec("t::floored", "passed", floored), rec("t::plain", "passed", size(1, 100.0))]
     lines = table(records)
     assert "floor + job MiB" in lines[0]
@@ -445,23 +451,23 @@ def test_a_rank_shown_by_its_resident_memory_is_labelled_so_in_the_table():
     not put rank 0's resident high-water mark beside rank 1's live allocations unlabelled."""
     from pytest_gpumem.presentation.report import table
 
-    stopped = dataclasses.replace(size(2, 78.8, device="cpu", method="live allocations (memray)"),
-                                  ranks={0: Peak(78.8, "high-water mark (no allocation peak reported)"),
-                                         1: Peak(13.2, "live allocations (memray)")}, others_max_mib=13.2)
+    stopped = dataclasses.replace(measured(size(2, 78.8, device="cpu", method="live allocations (memray)"),
+                                           peaks={0: Peak(78.8, "high-water mark (no allocation peak reported)"),
+                                                  1: Peak(13.2, "live allocations (memray)")}), others_max_mib=13.2)
     lines = table([rec("t::raises", "failed/crash", stopped)])
     row = next(line for line in lines if line.startswith("t::raises"))
     assert "78.8 (rank 0, VmHWM)" in row and "13.2 " in row and "13.2 VmHWM" not in row
     assert any(line.startswith("VmHWM: a rank that ended without reporting") for line in lines)
-    bystander = dataclasses.replace(stopped, ranks={0: Peak(13.0, "live allocations (memray)"),
-                                                    1: Peak(78.8, "high-water mark (no allocation peak reported)")},
-                                    gated_mib=13.0, others_max_mib=78.8)
+    swapped = {0: Peak(13.0, "live allocations (memray)"),
+               1: Peak(78.8, "high-water mark (no allocation peak reported)")}
+    bystander = dataclasses.replace(measured(stopped, peaks=swapped), gated_mib=13.0, others_max_mib=78.8)
     row = next(line for line in table([rec("t::raises", "failed/crash", bystander)]) if line.startswith("t::raises"))
     assert "13.0 (rank 0)" in row and "78.8 VmHWM" in row
     ranks = {0: Peak(13.0, "live allocations (memray)"),
              1: Peak(5.0, "high-water mark (no allocation peak reported)"),
              2: Peak(13.2, "live allocations (memray)")}
     # the resident rank is not the one "others max" shows
-    smaller = dataclasses.replace(bystander, nproc=3, ranks=ranks, others_max_mib=13.2)
+    smaller = dataclasses.replace(measured(bystander, world_size=3, peaks=ranks), others_max_mib=13.2)
     row = next(line for line in table([rec("t::raises", "failed/crash", smaller)]) if line.startswith("t::raises"))
     assert "13.2 " in row and "VmHWM" not in row
     healthy = table([rec("t::ok", "passed", size(2, 13.0, device="cpu", method="live allocations (memray)"))])
@@ -489,7 +495,8 @@ def test_a_failure_just_over_its_baseline_reads_apart_in_the_table_and_the_markd
     figures, not 505.4 and 505.4."""
     from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
     from pytest_gpumem.judging.assemble import build
-    from pytest_gpumem.judging.verdict import BaselineRef, SizeResult, judge
+    from pytest_gpumem.judging.verdict import BaselineRef, judge
+    from pytest_gpumem.measurement.size import SizeResult
     from pytest_gpumem.presentation.report import table
     from pytest_gpumem.sampling import Peak
 

@@ -10,15 +10,15 @@ import json
 import pytest
 
 from pytest_gpumem.judging.record import (
-    AllocatedRecord,
     CheckRecord,
     Limits,
     SizeRecord,
     TestRecord,
 )
 from pytest_gpumem.judging.record_reader import load_report
+from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.presentation import plots
-from pytest_gpumem.sampling import Peak
+from pytest_gpumem.sampling import AllocatedPeak, Peak
 
 pytest.importorskip("matplotlib")
 # Loaded before pytester's runs, which unload whatever a run imported: matplotlib must stay whole.
@@ -86,12 +86,13 @@ def test_a_passing_and_a_failing_plot_draw_the_gated_figure_up_to_its_reported_p
 def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
     checks = (CheckRecord("max_mib", True, 14370.0, 20000.0, "", "device"),
               CheckRecord("baseline", False, 7905.0, 7803.9, "", "allocated"))
-    size = SizeRecord(
-        nproc=1, device="gpu", gated_rank=0, gated_label="rank 0", gated_mib=14370.0,
-        ranks={0: Peak(14370.0, "per-pid sampled")}, checks=checks,
+    measured = SizeResult(
+        1, "gpu", {0: Peak(14370.0, "per-pid sampled")},
         timeline=((0.0, {0: 612.0}), (1.0, {0: 14370.0}), (2.0, {0: 14000.0})),
-        allocated_ranks={0: AllocatedRecord(7905.0, 12876.0)}, allocated_mib=7905.0, allocated_baseline_mib=7765.1,
+        allocated={0: AllocatedPeak(7905.0, 12876.0, "torch")},
         live_timeline=((0.5, {0: 100.0}), (1.1, {0: 7905.0}), (1.9, {0: 2000.0})))
+    size = SizeRecord(measured, gated_rank=0, gated_label="rank 0", gated_mib=14370.0, checks=checks,
+                      allocated_mib=7905.0, allocated_baseline_mib=7765.1)
     record = TestRecord(test="t.py::test_fsdp", status="failed", cause="limit", nproc=(1,), sizes=(size,))
     figure, canvas = plots._matplotlib()
     fig = figure()
@@ -114,10 +115,11 @@ def newcomer_size() -> SizeRecord:
               CheckRecord("baseline", True, 538.0, 560.0, "", "host"))
     live = tuple((t / 10, {0: 473.0 + 65.0 * (t == 10), 1: 473.0 + 65.0 * (t == 10)}) for t in range(18))
     rss = tuple((t / 10, {0: 600.0 + 30.0 * t, 1: 600.0 + 30.0 * t}) for t in range(21))
-    return SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=538.0,
-                      ranks={0: Peak(538.0, "live allocations (memray)"),
-                             1: Peak(538.0, "live allocations (memray)")},
-                      checks=checks, baseline_mib=544.0, timeline=rss, live_timeline=live)
+    measured = SizeResult(2, "cpu", {0: Peak(538.0, "live allocations (memray)"),
+                                     1: Peak(538.0, "live allocations (memray)")},
+                          timeline=rss, live_timeline=live)
+    return SizeRecord(measured, gated_rank=0, gated_label="rank 0", gated_mib=538.0, checks=checks,
+                      baseline_mib=544.0)
 
 
 def test_the_axis_is_scaled_to_what_is_gated_and_a_far_cap_is_marked_at_the_top():

@@ -145,7 +145,7 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
     if good_size is None or good_size.gated_mib is None:
         raise BadInput(f"GOOD {good.short} did not measure nproc={nproc}: it launched "
                        f"{', '.join(map(str, reference.launched()))}; expected --nproc among those")
-    gated = good_size.ranks.get(good_size.gated_rank) if good_size.gated_rank is not None else None
+    gated = good_size.measured.peaks.get(good_size.gated_rank) if good_size.gated_rank is not None else None
     # every commit measured on this machine: auto is exact for a host figure of live allocations
     tolerance = tolerance.resolve(good_size.device == "cpu" and gated is not None
                                   and is_allocation_method(gated.method))

@@ -9,13 +9,12 @@ appears (the table and the last line judge against the same reference, GOOD's fi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import Callable, Literal
 
 from ..config.spec import Tolerance
 from ..judging.growth import site_growth
 from ..judging.record import SizeRecord
 from ..judging.verdict import against_reference
-from ..sampling.sites import from_dicts
 
 StepVerdict = Literal["good", "bad", "skip"]
 DIGITS = 1  # decimals of every MiB figure a bisect prints
@@ -77,34 +76,16 @@ class Judge:
 # ---------------------------------------------------------------------------------------------- peak sites
 
 
-def _sites_of(size: SizeRecord | Mapping[str, Any]) -> tuple[Any, Any] | None:
-    """(sites keyed by rank, gated rank) of a size, typed or raw JSON; None without sites."""
-    if isinstance(size, Mapping):
-        return (size["sites"], size.get("gated_rank")) if size.get("sites") is not None else None
-    sites = getattr(size, "sites", None)
-    return None if sites is None else (sites, size.gated_rank)
-
-
-def _listed(sites: Any, rank: int) -> list[Mapping[str, Any]]:
-    listed = sites.get(str(rank), sites.get(rank)) if isinstance(sites, Mapping) else None
-    return [dict(site) if isinstance(site, Mapping) else site for site in listed or ()]
-
-
-def site_lines(good: SizeRecord | Mapping[str, Any], bad: SizeRecord | Mapping[str, Any]) -> list[str]:
+def site_lines(good: SizeRecord, bad: SizeRecord) -> list[str]:
     """The peak sites of the gated rank that grew from ``good`` to ``bad`` (or are new), largest
     first, by the rule a failing test uses (judging/growth.py): ``+256.0 MiB  examples/x.py:57
     train_step (all_gather)``, then one line summing what is not listed.
 
-    Each side is one size of a report: a :class:`SizeRecord` or its raw JSON (``sizes[i]``), whose
-    ``sites`` map a rank (``"0"``) to ``[{"mib", "count", "where", "function", "detail"}, ...]``.
     The rank is the bad side's gated rank (0 when it names none). [] when either side has no
-    sites (a report that does not record them).
+    sites there (a run that did not record them).
     """
-    found_good, found_bad = _sites_of(good), _sites_of(bad)
-    if found_good is None or found_bad is None:
+    rank = bad.gated_rank if bad.gated_rank is not None else 0
+    before, after = good.measured.sites.get(rank), bad.measured.sites.get(rank)
+    if before is None or not after:
         return []
-    rank = found_bad[1] if isinstance(found_bad[1], int) and not isinstance(found_bad[1], bool) else 0
-    after = from_dicts(_listed(found_bad[0], rank))
-    if not after:
-        return []
-    return site_growth(from_dicts(_listed(found_good[0], rank)), after, "the last good commit").lines()
+    return site_growth(list(before), list(after), "the last good commit").lines()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import psutil
 
@@ -43,19 +43,12 @@ class Measurement:
     """One commit's run: its record (None when it produced none) and why it has no figure."""
 
     record: TestRecord | None = None
-    raw: dict[str, Any] | None = None  # the record's JSON, for what the typed record does not carry yet
     problem: str | None = None
     selected: list[str] | None = None  # the gpumem tests of its report (None: no report read)
 
     def size(self, nproc: int) -> SizeRecord | None:
         size = self.record.size(nproc) if self.record is not None else None
         return size if size is not None and not size.predicted and size.gated_mib is not None else None
-
-    def raw_size(self, nproc: int) -> Mapping[str, Any] | SizeRecord | None:
-        for size in (self.raw or {}).get("sizes") or ():
-            if isinstance(size, dict) and size.get("nproc") == nproc:
-                return size
-        return self.size(nproc)
 
     def launched(self) -> list[int]:
         return [s.nproc for s in self.record.sizes if not s.predicted] if self.record is not None else []
@@ -209,8 +202,7 @@ class Workspace:
             what = "gpumem measure" if self.measure_mode else "pytest"
             return Measurement(problem=f"{what} exit code {code}: {_tail(text)}")
         try:
-            raw = json.loads(report.read_text())
-            records = parse_report(raw)
+            records = parse_report(json.loads(report.read_text()))
         except (ValueError, ReportError) as exc:
             return Measurement(problem=f"unreadable report: {exc}")
         names = [r.test for r in records]
@@ -218,7 +210,7 @@ class Workspace:
             return Measurement(problem=f"{len(records)} gpumem tests ran: {', '.join(names) or 'none'}",
                                selected=names)
         record = records[0]
-        found = Measurement(record=record, raw=raw["tests"][0], selected=names)
+        found = Measurement(record=record, selected=names)
         errored = record.status == "failed" and record.cause not in ("limit", "xpass-strict")  # crash, baseline
         if errored or record.status == "skipped":
             first = (record.messages[0] if record.messages else record.status).strip().splitlines()

@@ -13,14 +13,13 @@ import fnmatch
 import glob
 import json
 import math
-import os
 import re
-import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from ..storage.atomic import write_atomic
 
 SCHEMA_VERSION = 2  # 2: optional allocator figures and peak sites per entry; host platforms by architecture
 READ_SCHEMAS = (2,)
@@ -264,42 +263,6 @@ def _from_json(raw: Mapping[str, Any]) -> Entry:
                  tuple(dict(site) for site in raw.get("sites") or ()))
 
 
-def _umask() -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    old = os.umask(0o022)  # no /proc: the only portable way to read it
-    os.umask(old)
-    return old
-
-
-def _write_atomic(file: Path, data: bytes) -> None:
-    """Private temp file beside the target, fsync, one rename: readers see old or new, never half."""
-    try:
-        mode = stat.S_IMODE(file.stat().st_mode)
-    except FileNotFoundError:
-        mode = 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")  # 0o600
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fchmod(fh.fileno(), mode)  # widened once complete: the published file is a normal one
-            os.fsync(fh.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(file.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 class BaselineStore:
     """Baselines under one directory. Reads take no lock (writers replace atomically); writes do."""
 
@@ -375,7 +338,7 @@ class BaselineStore:
                 data = _dump(doc)
                 self._remove_stale_temps(file)
                 if loaded is None or loaded[0] != data:
-                    _write_atomic(file, data)
+                    write_atomic(file, data)
         except Timeout as exc:
             raise _bad(Path(lock.lock_file), "lock", f"not acquired within {LOCK_TIMEOUT_S:g} s",
                        "no other pytest-gpumem process to hold it that long") from exc

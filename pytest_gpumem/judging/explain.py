@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .verdict import DIGITS, SizeResult, mib
+from ..measurement.provenance import CONFIG_PREFIX
+from ..measurement.size import SizeResult
+from .verdict import DIGITS, mib
 
-CONFIG_PREFIX = "config."
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
 _IGNORED = {"date"}
 
@@ -35,11 +36,6 @@ def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]
             lines.append(f"{key}: {'(unset)' if before is None else before} -> "
                          f"{'(unset)' if after is None else after}")
     return lines
-
-
-def config_provenance(config: Mapping[str, object]) -> dict[str, str]:
-    """A test's declared settings, flattened for the baseline's provenance."""
-    return {f"{CONFIG_PREFIX}{key}": str(value) for key, value in sorted(config.items())}
 
 
 def peak_times(result: SizeResult) -> dict[int, float]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE
-from ..sampling import Peak
+from ..measurement.predict import Prediction
+from ..measurement.size import SizeResult
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
 SCHEMA = 4
@@ -63,14 +64,6 @@ class CheckRecord:
 
 
 @dataclass(frozen=True)
-class AllocatedRecord:
-    """A rank's GPU allocator figure: the peak of live tensors, and what the allocator reserved."""
-
-    mib: float
-    reserved_mib: float | None = None
-
-
-@dataclass(frozen=True)
 class SiteChange:
     """A peak site that grew (or is new: ``old_mib`` 0) against nproc=1 or the baseline."""
 
@@ -109,47 +102,31 @@ class SiteChange:
 
 
 @dataclass(frozen=True)
-class FloorRecord:
-    framework: str
-    what: str  # "CUDA context + torch start-up + communicator"
-    ranks: Mapping[int, float]
-    cached: str | None = None  # the date it was measured, when it came from the floor cache
-
-
-@dataclass(frozen=True)
 class SizeRecord:
-    """One world size of one test: the gated figure, every rank, the checks and their limits."""
+    """One world size of one test: what was measured there, as the launch read it, and what was
+    judged of it (the gated figure, the checks and their limits, the baseline)."""
 
-    nproc: int
-    device: str  # "gpu" | "cpu"
+    measured: SizeResult  # every rank's figures, the floor, the curves, the sites: the one measurement type
     gated_rank: int | None  # None: rank="all" with nothing measured
     gated_label: str  # "rank 0", "rank 3 (largest)"
     gated_mib: float | None
-    ranks: Mapping[int, Peak] = field(default_factory=dict)
     checks: tuple[CheckRecord, ...] = ()
     ratio: float | None = None  # the ratio limit's figure over its value at the reference size
     ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
     baseline_mib: float | None = None
     others_max_mib: float | None = None
-    host_ranks: Mapping[int, float] = field(default_factory=dict)  # live allocations, where they were tracked
-    rss_ranks: Mapping[int, float] = field(default_factory=dict)  # VmHWM, information only
-    floor: FloorRecord | None = None
     peak_at_s: Mapping[int, float] = field(default_factory=dict)
     imbalance: float | None = None
-    duration_s: float = 0.0
-    reused: bool = False
-    nodes: Mapping[int, str] = field(default_factory=dict)
-    timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()
-    prediction: Mapping[str, Any] | None = None  # set: not launched (predict.Prediction.as_dict())
-    allocated_ranks: Mapping[int, AllocatedRecord] = field(default_factory=dict)  # GPU allocator figures
     allocated_mib: float | None = None  # the gated rank's allocator figure (what allocated limits read)
     allocated_baseline_mib: float | None = None
-    sites: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)  # live at the peak
-    live_timeline: tuple[tuple[float, Mapping[int, float]], ...] = ()  # the live figure over time
-    start: str = ""  # how the ranks were started: fork, exec, or "exec (why not fork)"
-    simulated: tuple[int, ...] = ()  # a simulated world: the ranks measured (verdict.SizeResult.simulated)
-    fake_gpu: str = ""  # the GPU model a fake GPU emulated ("": a real GPU, or host memory)
-    uncounted: tuple[str, ...] = ()  # what a simulated world did not run (verdict.SizeResult.uncounted)
+
+    @property
+    def nproc(self) -> int:
+        return self.measured.world_size
+
+    @property
+    def device(self) -> str:  # "gpu" | "cpu"
+        return self.measured.device
 
     @property
     def failed(self) -> bool:
@@ -157,23 +134,24 @@ class SizeRecord:
 
     @property
     def predicted(self) -> bool:
-        return self.prediction is not None
+        return self.measured.predicted
 
     @property
     def validated(self) -> bool:
         """A measurement, or a prediction whose model was judged on sizes it did not see."""
-        return self.prediction is None or self.prediction.get("loo_error") is not None
+        return self.measured.validated
 
     @property
     def gated_method(self) -> str | None:
         """How the gated figure was measured (``per-pid sampled``, ``live allocations (memray)``, ...)."""
-        peak = self.ranks.get(self.gated_rank) if self.gated_rank is not None else None
+        peak = self.measured.peaks.get(self.gated_rank) if self.gated_rank is not None else None
         return peak.method if peak is not None else None
 
     @property
     def basis(self) -> str:
         """``predicted by a + b*N from nproc 1,2,4; ...`` for a predicted size, else empty."""
-        return "" if self.prediction is None else str(self.prediction.get("basis", "predicted"))
+        prediction = self.measured.prediction
+        return "" if prediction is None else prediction.describe()
 
     def limits(self) -> list[CheckRecord]:
         """The checks that carry a limit in MiB (what a plot draws as lines)."""
@@ -272,16 +250,27 @@ def _keyed(values: Mapping[int, Any], convert: Callable[[Any], Any] = lambda v: 
     return {str(k): convert(v) for k, v in sorted(values.items())}
 
 
+def _timeline(points: tuple[tuple[float, Mapping[int, float]], ...]) -> list[Any]:
+    return [[round(t, 4), _keyed(point, lambda v: round(v, 2))] for t, point in points]
+
+
+def _prediction(prediction: Prediction | None) -> dict[str, Any] | None:
+    return None if prediction is None else prediction.as_dict()
+
+
 def _size_json(s: SizeRecord) -> dict[str, Any]:
+    m = s.measured
+    floor = m.floor
     return {
         "nproc": s.nproc,
         "device": s.device,
+        "platform": m.platform,
         "gated_rank": s.gated_rank,
         "gated_label": s.gated_label,
         "gated_mib": s.gated_mib,
         # Side by side: a rank's figure, and how it was measured.
-        "ranks": _keyed(s.ranks, lambda p: p.mib),
-        "methods": _keyed(s.ranks, lambda p: p.method),
+        "ranks": _keyed(m.peaks, lambda p: p.mib),
+        "methods": _keyed(m.peaks, lambda p: p.method),
         "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
                     "text": c.text, "figure": c.figure, "advisory": c.advisory} for c in s.checks],
         "failed": s.failed,  # derived from the checks: one flag for a script reading the report
@@ -289,27 +278,31 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "ratio_figure": s.ratio_figure,
         "baseline_mib": s.baseline_mib,
         "others_max_mib": s.others_max_mib,
-        "host_ranks": _keyed(s.host_ranks),
-        "rss_ranks": _keyed(s.rss_ranks),
-        "floor": None if s.floor is None else {"framework": s.floor.framework, "what": s.floor.what,
-                                               "ranks": _keyed(s.floor.ranks), "cached": s.floor.cached},
+        "host_ranks": _keyed(m.host_peaks, lambda p: p.mib),
+        "host_methods": _keyed(m.host_peaks, lambda p: p.method),
+        "rss_ranks": _keyed(m.rss_peaks, lambda v: round(v, 1)),
+        "floor": None if floor is None else {"framework": floor.framework, "what": floor.describe(s.device, s.nproc),
+                                             "ranks": _keyed(floor.ranks, lambda v: round(v, 1)),
+                                             "cached": floor.cached},
         "peak_at_s": _keyed(s.peak_at_s),
         "imbalance": s.imbalance,
-        "duration_s": s.duration_s,
-        "start": s.start,
-        "reused": s.reused,
-        "nodes": _keyed(s.nodes),
-        "timeline": [[t, _keyed(point)] for t, point in s.timeline],
-        "predicted": None if s.prediction is None else dict(s.prediction),
-        "simulated": list(s.simulated),
-        "fake_gpu": s.fake_gpu,
-        "uncounted": list(s.uncounted),
-        "allocated_ranks": _keyed(s.allocated_ranks,
-                                  lambda a: {"allocated_mib": a.mib, "reserved_mib": a.reserved_mib}),
+        "duration_s": round(m.duration_s, 3),
+        "start": m.start,
+        "reused": m.reused,
+        "nodes": _keyed(m.nodes),
+        "timeline": _timeline(m.timeline),
+        "predicted": _prediction(m.prediction),
+        "allocated_predicted": _prediction(m.allocated_prediction),
+        "simulated": list(m.simulated),
+        "fake_gpu": m.fake_gpu,
+        "uncounted": list(m.uncounted),
+        "allocated_ranks": _keyed(m.allocated, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
+            None if a.reserved_mib is None else round(a.reserved_mib, 2)), "framework": a.framework}),
         "allocated_mib": s.allocated_mib,
         "allocated_baseline_mib": s.allocated_baseline_mib,
-        "sites": _keyed(s.sites, lambda sites: [dict(site) for site in sites]),
-        "live_timeline": [[t, _keyed(point)] for t, point in s.live_timeline],
+        "sites": _keyed(m.sites, lambda sites: [site.as_dict() for site in sites]),
+        "sites_notes": list(m.sites_notes),
+        "live_timeline": _timeline(m.live_timeline),
     }
 
 

@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar, cast
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
-from ..sampling import Peak
+from ..measurement.predict import MODELS, Candidate, Fit, Prediction
+from ..measurement.size import FloorResult, SizeResult
+from ..sampling import AllocatedPeak, Peak
+from ..sampling.sites import Site, from_dicts
 from .record import (
     CAUSES,
     CHECK_KINDS,
     FAILED,
     SCHEMA,
     STATUSES,
-    AllocatedRecord,
     BaselineChange,
     Cause,
     CheckRecord,
-    FloorRecord,
     Limits,
     ReportError,
     SiteChange,
@@ -33,6 +34,7 @@ from .record import (
 )
 
 T = TypeVar("T")
+MODELS_BY_NAME = {model.name: model for model in MODELS}
 _RANK_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
@@ -174,58 +176,109 @@ class _Reader(_Fields):
         raw = self.obj(raw, where)
         if not raw:
             return None
-        nproc = raw.get("nproc")
-        if not (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1):
-            self.bad(f"{where}.nproc", "an integer >= 1", nproc)
-            nproc = 1
-        gated_mib = self.number(raw, "gated_mib", where)
-        floor_raw = raw.get("floor")
-        floor = None
-        if floor_raw is not None:
-            f = self.obj(floor_raw, f"{where}.floor")
-            floor = FloorRecord(self.text(f, "framework", f"{where}.floor", ""),
-                                self.text(f, "what", f"{where}.floor", ""),
-                                self.per_rank(f, "ranks", f"{where}.floor", self.mib),
-                                self.optional_text(f, "cached", f"{where}.floor"))
-        prediction = raw.get("predicted")
-        if prediction is not None and not isinstance(prediction, dict):
-            self.bad(f"{where}.predicted", "an object (the fit) or null", prediction)
-            prediction = None
-        mibs = self.per_rank(raw, "ranks", where, lambda v, w: None if v is None else self.mib(v, w))
-        methods = self.per_rank(raw, "methods", where, self.string)
-        ranks = {r: Peak(mibs.get(r), methods.get(r, "")) for r in sorted(set(mibs) | set(methods))}
         gated_rank = raw.get("gated_rank")
         if gated_rank is not None and not (isinstance(gated_rank, int) and not isinstance(gated_rank, bool)
                                            and gated_rank >= 0):
             self.bad(f"{where}.gated_rank", "a rank number or null", gated_rank)
             gated_rank = None
-        label = self.text(raw, "gated_label", where, "")
         checks_raw = raw.get("checks") or []
         if not isinstance(checks_raw, list):
             self.bad(f"{where}.checks", "a list", checks_raw)
             checks_raw = []
-        checks = tuple(self.check(c, f"{where}.checks[{j}]") for j, c in enumerate(checks_raw))
-        imbalance = self.number(raw, "imbalance", where)
         return SizeRecord(
-            nproc=nproc, device=self.text(raw, "device", where, ""), gated_rank=gated_rank, gated_label=label,
-            gated_mib=gated_mib, ranks=ranks, checks=checks, ratio=self.number(raw, "ratio", where),
-            ratio_figure=self.text(raw, "ratio_figure", where, ""),
+            measured=self.measured(raw, where), gated_rank=gated_rank,
+            gated_label=self.text(raw, "gated_label", where, ""), gated_mib=self.number(raw, "gated_mib", where),
+            checks=tuple(self.check(c, f"{where}.checks[{j}]") for j, c in enumerate(checks_raw)),
+            ratio=self.number(raw, "ratio", where), ratio_figure=self.text(raw, "ratio_figure", where, ""),
             baseline_mib=self.number(raw, "baseline_mib", where),
             others_max_mib=self.number(raw, "others_max_mib", where),
-            host_ranks=self.per_rank(raw, "host_ranks", where, self._optional_mib),
-            rss_ranks=self.per_rank(raw, "rss_ranks", where, self.mib), floor=floor,
-            peak_at_s=self.per_rank(raw, "peak_at_s", where, self.mib), imbalance=imbalance,
-            duration_s=self.number(raw, "duration_s", where) or 0.0, reused=self.flag(raw, "reused", where),
-            start=self.text(raw, "start", where, ""),
-            nodes=self.per_rank(raw, "nodes", where, self.string),
-            timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"), prediction=prediction,
-            allocated_ranks=self.per_rank(raw, "allocated_ranks", where, self._allocated),
+            peak_at_s=self.per_rank(raw, "peak_at_s", where, self.mib), imbalance=self.number(raw, "imbalance", where),
             allocated_mib=self.number(raw, "allocated_mib", where),
-            allocated_baseline_mib=self.number(raw, "allocated_baseline_mib", where),
-            sites=self.per_rank(raw, "sites", where, self._sites),
+            allocated_baseline_mib=self.number(raw, "allocated_baseline_mib", where))
+
+    def measured(self, raw: Mapping[str, Any], where: str) -> SizeResult:
+        """The measurement a size record holds, back in its own type (``measurement.size.SizeResult``)."""
+        nproc = raw.get("nproc")
+        if not (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1):
+            self.bad(f"{where}.nproc", "an integer >= 1", nproc)
+            nproc = 1
+        floor_raw = raw.get("floor")
+        floor = None
+        if floor_raw is not None:
+            f = self.obj(floor_raw, f"{where}.floor")
+            floor = FloorResult(self.text(f, "framework", f"{where}.floor", ""),
+                                self.per_rank(f, "ranks", f"{where}.floor", self.mib),
+                                self.optional_text(f, "cached", f"{where}.floor"))
+        return SizeResult(
+            world_size=nproc, device=self.text(raw, "device", where, ""),
+            peaks=self._peaks(raw, "ranks", "methods", where), platform=self.text(raw, "platform", where, ""),
+            host_peaks=self._peaks(raw, "host_ranks", "host_methods", where),
+            rss_peaks=self.per_rank(raw, "rss_ranks", where, self.mib), floor=floor,
+            timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"),
+            duration_s=self.number(raw, "duration_s", where) or 0.0, reused=self.flag(raw, "reused", where),
+            nodes=self.per_rank(raw, "nodes", where, self.string),
+            prediction=self.prediction(raw.get("predicted"), nproc, f"{where}.predicted"),
+            allocated=self.per_rank(raw, "allocated_ranks", where, self._allocated),
+            allocated_prediction=self.prediction(raw.get("allocated_predicted"), nproc,
+                                                 f"{where}.allocated_predicted"),
+            sites=self.per_rank(raw, "sites", where, self._sites), sites_notes=self.texts(raw, "sites_notes", where),
             live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"),
+            start=self.text(raw, "start", where, ""),
             simulated=self._ranks(raw.get("simulated") or [], f"{where}.simulated"),
             fake_gpu=self.text(raw, "fake_gpu", where, ""), uncounted=self.texts(raw, "uncounted", where))
+
+    def _peaks(self, raw: Mapping[str, Any], figures: str, methods: str, where: str) -> dict[int, Peak]:
+        """Each rank's figure (``figures``: rank -> MiB or null) with how it was taken (``methods``)."""
+        mibs = self.per_rank(raw, figures, where, lambda v, w: None if v is None else self.mib(v, w))
+        how = self.per_rank(raw, methods, where, self.string)
+        return {r: Peak(mibs.get(r), how.get(r, "")) for r in sorted(set(mibs) | set(how))}
+
+    def prediction(self, raw: Any, world_size: int, where: str) -> Prediction | None:
+        """A fitted figure (``Prediction.as_dict``) back as the fit it was; null: a measured size."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            self.bad(where, "an object (the fit) or null", raw)
+            return None
+        model = MODELS_BY_NAME.get(raw.get("model"))  # type: ignore[arg-type]
+        if model is None:
+            self.bad(f"{where}.model", f"one of {', '.join(MODELS_BY_NAME)}", raw.get("model"))
+            return None
+        coefficients = raw.get("coefficients")
+        if not (isinstance(coefficients, list) and len(coefficients) == model.params
+                and all(_is_number(c) for c in coefficients)):
+            self.bad(f"{where}.coefficients", f"{model.params} numbers (model {model.name})", coefficients)
+            return None
+        candidates = self.per_name(raw, "candidates", where)
+        mib = self.number(raw, "mib", where, optional=False)
+        floor_size = raw.get("floor_size")
+        if floor_size is not None and not (type(floor_size) is int and floor_size >= 1):
+            self.bad(f"{where}.floor_size", "an integer >= 1 or null", floor_size)
+            floor_size = None
+        fit = Fit(model, tuple(float(c) for c in coefficients), self._points(raw, "fitted_on", where),
+                  self.number(raw, "loo_error", where),
+                  tuple(Candidate(MODELS_BY_NAME[name], loo) for name, loo in candidates.items()),
+                  self._points(raw, "left_out", where), self.number(raw, "loo_error_with_left_out", where))
+        return Prediction(world_size=world_size, mib=mib or 0.0, fit=fit,
+                          rank_label=self.text(raw, "rank", where, "rank 0"),
+                          floor_mib=self.number(raw, "floor_mib", where), floor_size=floor_size)
+
+    def per_name(self, raw: Mapping[str, Any], key: str, where: str) -> dict[str, float | None]:
+        """A fit's candidate models: model name -> its LOO error, or null where it was not judged."""
+        value = raw.get(key) or {}
+        if not isinstance(value, dict):
+            self.bad(f"{where}.{key}", "an object of model name -> LOO error", value)
+            return {}
+        out: dict[str, float | None] = {}
+        for name, loo in value.items():
+            if name not in MODELS_BY_NAME or not (loo is None or _is_number(loo)):
+                self.bad(f"{where}.{key}.{name}", f"a model ({', '.join(MODELS_BY_NAME)}) -> a number or null", loo)
+                continue
+            out[name] = None if loo is None else float(loo)
+        return out
+
+    def _points(self, raw: Mapping[str, Any], key: str, where: str) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted(self.per_rank(raw, key, where, self.mib).items()))
 
     def _ranks(self, raw: Any, where: str) -> tuple[int, ...]:
         if not isinstance(raw, list) or not all(type(r) is int and r >= 0 for r in raw):
@@ -233,17 +286,18 @@ class _Reader(_Fields):
             return ()
         return tuple(raw)
 
-    def _allocated(self, raw: Any, where: str) -> AllocatedRecord | None:
+    def _allocated(self, raw: Any, where: str) -> AllocatedPeak | None:
         raw = self.obj(raw, where)
         mib = self.number(raw, "allocated_mib", where, optional=False)
-        return None if mib is None else AllocatedRecord(mib, self.number(raw, "reserved_mib", where))
+        return None if mib is None else AllocatedPeak(mib, self.number(raw, "reserved_mib", where),
+                                                      self.text(raw, "framework", where, "torch"))
 
-    def _sites(self, raw: Any, where: str) -> tuple[Mapping[str, Any], ...] | None:
+    def _sites(self, raw: Any, where: str) -> tuple[Site, ...] | None:
         if not (isinstance(raw, list) and all(isinstance(s, dict) and isinstance(s.get("where"), str)
                                               and _is_number(s.get("mib")) for s in raw)):
             self.bad(where, "a list of sites ({where, function, detail, mib, count})", raw)
             return None
-        return tuple(raw)
+        return tuple(from_dicts(raw))
 
     def _optional_mib(self, raw: Any, where: str) -> float | None:
         return None if raw is None else self.mib(raw, where)

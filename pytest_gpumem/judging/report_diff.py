@@ -11,7 +11,6 @@ from typing import Iterable, Literal, get_args
 
 from ..config.spec import Tolerance, parse_tolerance
 from ..sampling.allocations import is_allocation_method
-from ..sampling.sites import from_dicts
 from .growth import site_growth
 from .record import SizeRecord, TestRecord
 from .verdict import against_reference
@@ -92,7 +91,7 @@ def _tolerance_of(old: tuple[TestRecord, SizeRecord], new: tuple[TestRecord, Siz
 
 
 def _live(size: SizeRecord) -> bool:
-    peak = size.ranks.get(size.gated_rank) if size.gated_rank is not None else None
+    peak = size.measured.peaks.get(size.gated_rank) if size.gated_rank is not None else None
     return peak is not None and is_allocation_method(peak.method)
 
 
@@ -136,11 +135,11 @@ def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | No
 
 def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
     """The gated rank's peak sites that grew from the old report to the new one."""
-    before = old.sites.get(old.gated_rank) if old.gated_rank is not None else None
-    after = new.sites.get(new.gated_rank) if new.gated_rank is not None else None
+    before = old.measured.sites.get(old.gated_rank) if old.gated_rank is not None else None
+    after = new.measured.sites.get(new.gated_rank) if new.gated_rank is not None else None
     if not before or not after:
         return ()
-    return tuple(site_growth(from_dicts(before), from_dicts(after), "old").lines())
+    return tuple(site_growth(list(before), list(after), "old").lines())
 
 
 def diff_reports(old: Iterable[TestRecord], new: Iterable[TestRecord],

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .cache_file import now, replace_entry
+from ..storage.cache_file import now, replace_entry
 from .floor import FRAMEWORKS, PROBE_VERSION
 
 SCHEMA = 1

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..config.spec import Spec
-from ..judging.verdict import FloorResult
+from ..measurement.size import FloorResult
 from .floor import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
 from .runs import SizeRun, TestRun

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..config.spec import Spec
-from ..judging.verdict import SizeResult
+from ..measurement.size import SizeResult
 from ..rankside import protocol
 from ..rankside.rank import STARTUP_ENV
 from ..sampling import Sampler

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..judging.explain import config_provenance
-from ..judging.verdict import SizeResult
+from ..measurement.provenance import config_provenance
+from ..measurement.size import SizeResult
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
 from ..sampling import AllocatedPeak, Peak

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..judging.verdict import SizeResult
+from ..measurement.size import SizeResult
 from ..rankside.rank import TRACK_ENV
 from .floor_cache import FloorCache
 from .floors import Floors

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..judging.verdict import SizeResult
+from ..measurement.size import SizeResult
 from ..rankside import protocol
 from .launch import LaunchResult
 

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .cache_file import now, replace_entry
+from ..storage.cache_file import now, replace_entry
 
 SCHEMA = 1
 MAX_ENTRIES = 512  # the oldest go first

@@ -92,19 +92,20 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
     rows = []
     digits = record.digits  # as many decimals as its failure text shows
     for size in record.sizes:
+        m = size.measured
         verdict = record.size_verdict(size)
         peak = _mib(size.gated_mib, digits)
         if size.gated_mib is not None:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
-                         if size.predicted else "") + (f", **fake GPU** ({size.fake_gpu})" if size.fake_gpu else
-                                                       ", **simulated world**" if size.simulated else "")
-            if size.uncounted:
-                predicted += f", **without its {', '.join(size.uncounted)}**"
+                         if size.predicted else "") + (f", **fake GPU** ({m.fake_gpu})" if m.fake_gpu else
+                                                       ", **simulated world**" if m.simulated else "")
+            if m.uncounted:
+                predicted += f", **without its {', '.join(m.uncounted)}**"
             peak += f" ({size.gated_label}, {size.device}{predicted})"
         if size.allocated_mib is not None:
             peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x" + _against(record)
-        nproc = f"{size.nproc}" + ("\\*" if size.reused else "") + (" (reference)" if record.unlisted(size) else "")
+        nproc = f"{size.nproc}" + ("\\*" if m.reused else "") + (" (reference)" if record.unlisted(size) else "")
         change = format_delta(delta(size.gated_mib, size.baseline_mib), digits)
         floor = [floor_split(size) or "-"] if with_floor else []
         cells = [test, nproc, peak, *floor, _mib(size.baseline_mib, digits), change, ratio,
@@ -171,7 +172,7 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
     if notes:
         tail += ["", "**Notes**", "", *notes]
     legend = []
-    if any(size.reused for rec in records for size in rec.sizes):
+    if any(size.measured.reused for rec in records for size in rec.sizes):
         legend.append("\\* nproc=1 reference reused from an earlier launch with the same parameters")
     with_floor = any(floor_split(size) for rec in records for size in rec.sizes)
     legend.append("delta: gated peak minus the stored baseline of this platform; "
@@ -184,13 +185,15 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                       "(start-up, communicator; on GPU the CUDA context) plus the job's own")
     legend.extend(f"predicted (not launched): nproc={size.nproc} of `{rec.test}`, {size.basis}"
                   for rec in records for size in rec.sizes if size.predicted)
-    legend.extend(f"simulated world: nproc={size.nproc} of `{rec.test}` (ranks {', '.join(map(str, size.simulated))} "
+    legend.extend(f"simulated world: nproc={size.nproc} of `{rec.test}` "
+                  f"(ranks {', '.join(map(str, size.measured.simulated))} "
                   "each alone with a stand-in communicator: allocator figure exact, device and host figures "
                   "without the communicator's buffers)" for rec in records for size in rec.sizes
-                  if size.simulated and not size.fake_gpu)
-    legend.extend(f"fake GPU: nproc={size.nproc} of `{rec.test}` on a fake {size.fake_gpu} (every CUDA tensor fake: "
-                  "the allocator figure as torch would count it on that model; no device figure: no CUDA context, "
-                  "NCCL buffers or allocator cache)" for rec in records for size in rec.sizes if size.fake_gpu)
+                  if size.measured.simulated and not size.measured.fake_gpu)
+    legend.extend(f"fake GPU: nproc={size.nproc} of `{rec.test}` on a fake {size.measured.fake_gpu} "
+                  "(every CUDA tensor fake: the allocator figure as torch would count it on that model; "
+                  "no device figure: no CUDA context, NCCL buffers or allocator cache)"
+                  for rec in records for size in rec.sizes if size.measured.fake_gpu)
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -278,10 +281,10 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
                 props.append((f"{key}_allocated_baseline_mib", _mib(size.allocated_baseline_mib, 2)))
         if size.predicted:
             props.append((f"{key}_predicted", size.basis))
-        if size.simulated:
-            props.append((f"{key}_simulated", ",".join(map(str, size.simulated))))
-        if size.fake_gpu:
-            props.append((f"{key}_fake_gpu", size.fake_gpu))
+        if size.measured.simulated:
+            props.append((f"{key}_simulated", ",".join(map(str, size.measured.simulated))))
+        if size.measured.fake_gpu:
+            props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
     return props
 
 

@@ -134,9 +134,10 @@ def _size_title(record: TestRecord, size: SizeRecord) -> str:
         return (f"nproc={size.nproc} ({size.device} memory): PREDICTED, not launched: "
                 f"{size.gated_label} {size.gated_mib or 0:.1f} MiB{ratio} — {verdict}\n{size.basis}")
     peak = "no peak measured" if size.gated_mib is None else f"{size.gated_label} peak {size.gated_mib:.1f} MiB"
-    reused = ", reference reused" if size.reused else ""
-    reused += (f", FAKE GPU ({size.fake_gpu}: allocator figure, no device figure)" if size.fake_gpu else
-               ", SIMULATED world (stand-in communicator)" if size.simulated else "")
+    measured = size.measured
+    reused = ", reference reused" if measured.reused else ""
+    reused += (f", FAKE GPU ({measured.fake_gpu}: allocator figure, no device figure)" if measured.fake_gpu else
+               ", SIMULATED world (stand-in communicator)" if measured.simulated else "")
     return f"nproc={size.nproc} ({size.device} memory): {peak}{ratio} — {verdict}{reused}"
 
 
@@ -149,18 +150,16 @@ def _rank_color(index: int, count: int) -> tuple[float, float, float, float]:
 def _draw_predicted(ax: Any, record: TestRecord, size: SizeRecord) -> None:
     """Not a timeline (nothing ran): the measured peaks per world size, the fitted model through
     them, and the predicted point, against the limits."""
-    from ..judging.predict import MODELS
-
-    fit = size.prediction or {}
-    points = sorted((int(n), float(v)) for n, v in (fit.get("fitted_on") or {}).items())
+    prediction = size.measured.prediction
+    fit = prediction.fit if prediction is not None else None
+    points = list(fit.points) if fit is not None else []
     target = size.nproc
-    model = {m.name: m for m in MODELS}.get(fit.get("model", ""))
-    if model is not None and points:
+    if fit is not None and points:
         xs = [points[0][0] + (target - points[0][0]) * i / 100 for i in range(101)]
-        ys = [sum(c * term(x) for c, term in zip(fit.get("coefficients", []), model.terms)) for x in xs]
-        ax.plot(xs, ys, color="tab:blue", linestyle="--", linewidth=1.0, label=f"fit: {fit.get('formula')}")
+        ax.plot(xs, [fit.at(x) for x in xs], color="tab:blue", linestyle="--", linewidth=1.0,
+                label=f"fit: {fit.model.formula}")
     ax.plot([n for n, _ in points], [v for _, v in points], "o", color="tab:blue", label="measured")
-    left_out = sorted((int(n), float(v)) for n, v in (fit.get("left_out") or {}).items())
+    left_out = list(fit.left_out) if fit is not None else []
     if left_out:
         ax.plot([n for n, _ in left_out], [v for _, v in left_out], "x", color="0.4", markersize=8,
                 label="measured, left out of the fit (off the trend)")
@@ -196,15 +195,15 @@ def _curves(size: SizeRecord) -> list[tuple[str, str, dict[int, tuple[list[float
     allocator's history replayed. Older records without a live curve draw what they have.
     """
     if size.device == "gpu":
-        curves = [("device", "what nvidia-smi shows, sampled", _series(size.timeline), size.gated_mib)]
-        if size.live_timeline:
-            curves.append(("allocated", "torch allocated, from its history", _series(size.live_timeline),
+        curves = [("device", "what nvidia-smi shows, sampled", _series(size.measured.timeline), size.gated_mib)]
+        if size.measured.live_timeline:
+            curves.append(("allocated", "torch allocated, from its history", _series(size.measured.live_timeline),
                            size.allocated_mib))
         return curves
     curves = []
-    if size.live_timeline:
-        curves.append(("host", "live allocations", _series(size.live_timeline), size.gated_mib))
-    curves.append(("rss", "resident (RSS), not gated", _series(size.timeline), None))
+    if size.measured.live_timeline:
+        curves.append(("host", "live allocations", _series(size.measured.live_timeline), size.gated_mib))
+    curves.append(("rss", "resident (RSS), not gated", _series(size.measured.timeline), None))
     return curves
 
 

@@ -26,13 +26,15 @@ def _resident(size: SizeRecord, ranks: Iterable[int]) -> bool:
     """A host figure of these ranks is their resident high-water mark (a rank that ended without
     reporting its live allocations, or tracking off), not the live allocations the others report."""
     return size.device == "cpu" and any(
-        (peak := size.ranks.get(rank)) is not None and peak.mib is not None and peak.method
+        (peak := size.measured.peaks.get(rank)) is not None and peak.mib is not None and peak.method
         and not is_allocation_method(peak.method) for rank in ranks)
 
 
 def floor_split(size: SizeRecord) -> str | None:
     """``612.0 + 1022.0``: the gated rank's figure as floor + the job's own, where a floor was measured."""
-    floor = size.floor.ranks.get(size.gated_rank) if size.floor is not None and size.gated_rank is not None else None
+    measured_floor = size.measured.floor
+    floor = (measured_floor.ranks.get(size.gated_rank)
+             if measured_floor is not None and size.gated_rank is not None else None)
     if floor is None or size.gated_mib is None or size.predicted:
         return None
     return f"{floor:.1f} + {size.gated_mib - floor:.1f}"
@@ -55,16 +57,17 @@ def table(records: Iterable[TestRecord]) -> list[str]:
                          "-", "-", "-", "-", rec.verdict))
         digits = rec.digits  # as many decimals as its failure text shows
         for size in rec.sizes:
+            m = size.measured
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
-            predicted += f", fake {size.fake_gpu}" if size.fake_gpu else ", simulated" if size.simulated else ""
-            predicted += ", comm hook not run" if size.uncounted else ""
+            predicted += f", fake {m.fake_gpu}" if m.fake_gpu else ", simulated" if m.simulated else ""
+            predicted += ", comm hook not run" if m.uncounted else ""
             gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])
-            others = [(peak.mib, r) for r, peak in size.ranks.items() if r != size.gated_rank and peak.mib is not None]
+            others = [(peak.mib, r) for r, peak in m.peaks.items() if r != size.gated_rank and peak.mib is not None]
             others_rss = bool(others) and _resident(size, [max(others)[1]])  # the rank "others max" shows
             resident |= gated_rss or others_rss
             rows.append((
                 rec.test,
-                str(size.nproc) + ("*" if size.reused else "") + (" ref" if rec.unlisted(size) else ""),
+                str(size.nproc) + ("*" if m.reused else "") + (" ref" if rec.unlisted(size) else ""),
                 f"{_mib(size.gated_mib, digits)} ({size.gated_label}{', VmHWM' if gated_rss else ''}{predicted})",
                 *([floor_split(size) or "-"] if with_floor else []),
                 _mib(size.others_max_mib, digits) + (" VmHWM" if others_rss else ""),
@@ -82,7 +85,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
 
     out = [line(header), line(tuple("-" * w for w in widths))]
     out.extend(line(row) for row in rows)
-    if any(size.reused for rec in records for size in rec.sizes):
+    if any(size.measured.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
     if any(rec.unlisted(size) for rec in records for size in rec.sizes):
         out.append("ref: not in the marker's nproc, launched because max_ratio is taken against it; a job that "
@@ -91,8 +94,8 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         out.append("/N: the ratio is taken against nproc=N, the reference the marker names")
     by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
     if by_allocator:
-        peak = ("what nvidia-smi shows" if not any(size.fake_gpu for size in by_allocator) else
-                "the allocator's figure too (a fake GPU has no device figure)" if all(size.fake_gpu for size in
+        peak = ("what nvidia-smi shows" if not any(size.measured.fake_gpu for size in by_allocator) else
+                "the allocator's figure too (a fake GPU has no device figure)" if all(size.measured.fake_gpu for size in
                                                                                      by_allocator) else
                 "what nvidia-smi shows, or on a fake GPU the allocator's figure (it has no device figure)")
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "

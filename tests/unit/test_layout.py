@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
-LAYERS = ["config", "sampling", "oneflow", "rankside", "judging", "launching", "presentation"]
+LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "measurement", "launching", "judging", "presentation"]
 TOP = {"plugin", "hookspecs", "session", "gate", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.

@@ -21,6 +21,7 @@ import pytest
 from pytest_gpumem.judging import baseline
 from pytest_gpumem.judging.baseline import SCHEMA_VERSION, BaselineError, BaselineStore, Entry
 from pytest_gpumem.sampling.identity import host_provenance, platform_key
+from pytest_gpumem.storage import atomic
 
 REPO = Path(__file__).resolve().parents[3]
 CPU = "cpu:Intel(R) Xeon(R) Platinum 8480+"
@@ -357,7 +358,7 @@ def test_failure_mid_write_keeps_old_file_and_no_temp(
         seen.extend(t.read_text() for t in temps)  # the temp file was really written
         raise KeyboardInterrupt if victim == "fsync" else OSError(28, "No space left on device")
 
-    monkeypatch.setattr(baseline.os, victim, crash)
+    monkeypatch.setattr(atomic.os, victim, crash)
     with pytest.raises((BaselineError, KeyboardInterrupt)) as info:
         store.update(TEST, CPU, {2: entry(200)})
     monkeypatch.undo()
@@ -424,7 +425,7 @@ def test_a_folder_that_cannot_be_fsynced_does_not_fail_the_write(
             raise OSError(22, "Invalid argument")
         real_fsync(fd)
 
-    monkeypatch.setattr(baseline.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
     store.update(TEST, CPU, {2: entry(100)})
     assert found(store, TEST, CPU, 2).gated_mib == 100
 
@@ -457,26 +458,6 @@ def test_a_lock_held_too_long_is_named_instead_of_waited_on(
     assert not store.file_for(TEST).exists()
 
 
-def test_umask_is_read_from_proc_and_without_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """/proc/self/status where there is one; elsewhere (or when it says nothing usable) os.umask."""
-    status = tmp_path / "status"
-    real_path = baseline.Path
-    monkeypatch.setattr(baseline, "Path", lambda p: status if p == "/proc/self/status" else real_path(p))
-    old = os.umask(0o022)
-    try:
-        status.write_text("Name:\tpython\nUmask:\t0027\nState:\tR (running)\n")
-        assert baseline._umask() == 0o027  # what the file says, not the process
-        for text in (None, "Name:\tpython\n", "Umask:\n", "Umask:\tzz\n"):
-            if text is None:
-                status.unlink()
-            else:
-                status.write_text(text)
-            assert baseline._umask() == 0o022
-            assert os.umask(0o022) == 0o022  # and the mask is left as it was
-    finally:
-        os.umask(old)
-
-
 def test_temp_file_private_final_file_normal(store: BaselineStore, monkeypatch: pytest.MonkeyPatch) -> None:
     modes: list[int] = []
     real_fchmod = os.fchmod
@@ -487,7 +468,7 @@ def test_temp_file_private_final_file_normal(store: BaselineStore, monkeypatch: 
             modes.append(stat.S_IMODE(st.st_mode))  # content is all in and it is still private
         real_fchmod(fd, mode)
 
-    monkeypatch.setattr(baseline.os, "fchmod", spy)
+    monkeypatch.setattr(atomic.os, "fchmod", spy)
     old_umask = os.umask(0o027)
     try:
         store.update(TEST, CPU, {2: entry()})
@@ -627,9 +608,9 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     from pytest_gpumem.config.settings import resolve
     from pytest_gpumem.config.spec import Defaults, parse_marker
     from pytest_gpumem.gate import Gate
-    from pytest_gpumem.judging.verdict import SizeResult
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.measurement.size import SizeResult
     from pytest_gpumem.sampling import AllocatedPeak, Peak
 
     store = BaselineStore(tmp_path)

@@ -18,9 +18,10 @@ import pytest
 from pytest_gpumem import cli
 from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, parse_marker, parse_tolerance
 from pytest_gpumem.judging import report_diff
-from pytest_gpumem.judging.predict import predict
 from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
-from pytest_gpumem.judging.verdict import BaselineRef, FloorResult, SizeResult, against_reference, judge
+from pytest_gpumem.judging.verdict import BaselineRef, against_reference, judge
+from pytest_gpumem.measurement.predict import predict
+from pytest_gpumem.measurement.size import FloorResult, SizeResult
 from pytest_gpumem.sampling import Peak
 
 JUST = 0.01  # MiB
@@ -157,7 +158,7 @@ def test_the_one_rule(measured, kind):
 
 
 def report(mib: float, tolerance: str = "5%") -> list[TestRecord]:
-    size = SizeRecord(nproc=2, device="cpu", gated_rank=0, gated_label="rank 0", gated_mib=mib)
+    size = SizeRecord(SizeResult(2, "cpu", {}), gated_rank=0, gated_label="rank 0", gated_mib=mib)
     return [TestRecord("t.py::test", "passed", (2,), limits=Limits(tolerance=tolerance or str(DEFAULT_TOLERANCE)),
                        sizes=(size,))]
 

@@ -11,10 +11,8 @@ import pytest
 
 from pytest_gpumem.judging.record import (
     SCHEMA,
-    AllocatedRecord,
     BaselineChange,
     CheckRecord,
-    FloorRecord,
     Limits,
     ReportError,
     SiteChange,
@@ -23,32 +21,41 @@ from pytest_gpumem.judging.record import (
     report_document,
 )
 from pytest_gpumem.judging.record_reader import load_report, parse_report
-from pytest_gpumem.sampling import Peak
+from pytest_gpumem.measurement.predict import FLAT, LINEAR, Candidate, Fit, Prediction
+from pytest_gpumem.measurement.size import FloorResult, SizeResult
+from pytest_gpumem.sampling import AllocatedPeak, Peak
+from pytest_gpumem.sampling.sites import Site
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def full_record() -> TestRecord:
+    """A record with every field set, at the precision its JSON keeps (so a round trip is exact)."""
+    measured = SizeResult(
+        world_size=2, device="gpu", platform="gpu:NVIDIA H200",
+        peaks={0: Peak(800.0, "per-pid sampled"), 1: Peak(812.5, "per-pid sampled"), 2: Peak(None, "")},
+        host_peaks={0: Peak(120.5, "live allocations (memray)"), 1: Peak(121.0, "live allocations (memray)")},
+        rss_peaks={0: 300.0}, floor=FloorResult("torch", {0: 612.0, 1: 612.0}, "2026-12-01"),
+        timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})), duration_s=3.5, nodes={0: "n1", 1: "n2"},
+        allocated={0: AllocatedPeak(400.0, 512.0, "torch"), 1: AllocatedPeak(420.0, None, "torch")},
+        sites={1: (Site("t.py:7", "f", "all_gather", 256.0, 2, False, ("t.py:25 train",), 1),)},
+        sites_notes=("sites of rank 1 only",), live_timeline=((0.1, {1: 100.0}), (0.4, {1: 420.0})),
+        start="exec", simulated=(0, 1), uncounted=("DDP comm hook 'keep_buckets'",))
     size = SizeRecord(
-        nproc=2, device="gpu", gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
-        ranks={0: Peak(800.0, "per-pid sampled"), 1: Peak(812.5, "per-pid sampled"), 2: Peak(None, "")},
+        measured=measured, gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
         checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib",
                             "device"),
                 CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline",
                             "device"),
                 CheckRecord("baseline", False, 420.0, 400.0, "rank 1 at nproc=2 (gpu, allocated): peak 420.0 MiB > "
                             "baseline", "allocated")),
-        ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, host_ranks={0: 120.5, 1: 121.0}, rss_ranks={0: 300.0},
-        floor=FloorRecord("torch", "CUDA context + torch start-up + communicator", {0: 612.0, 1: 612.0}, "2026-12-01"),
-        peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015, duration_s=3.5, reused=False, nodes={0: "n1", 1: "n2"},
-        timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})),
-        prediction=None, allocated_ranks={0: AllocatedRecord(400.0, 512.0), 1: AllocatedRecord(420.0, None)},
-        allocated_mib=420.0, allocated_baseline_mib=380.0,
-        sites={1: ({"where": "t.py:7", "function": "f", "detail": "all_gather", "mib": 256.0, "count": 2,
-                    "internal": False},)},
-        live_timeline=((0.1, {1: 100.0}), (0.4, {1: 420.0})))
-    predicted = SizeRecord(nproc=8, device="gpu", gated_rank=None, gated_label="largest rank", gated_mib=900.0,
-                           prediction={"mib": 900.0, "basis": "predicted by a + b*N from nproc 1,2", "model": "linear"})
+        ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015,
+        allocated_mib=420.0, allocated_baseline_mib=380.0)
+    fit = Fit(LINEAR, (400.0, 100.0), ((1, 500.0), (2, 600.0)), None, (Candidate(FLAT, None), Candidate(LINEAR, None)))
+    predicted = SizeRecord(
+        measured=SizeResult(8, "gpu", {}, prediction=Prediction(8, 1200.0, fit, "rank 0"),
+                            allocated_prediction=Prediction(8, 900.0, fit, "rank 0", 100.0, 2)),
+        gated_rank=None, gated_label="rank 0", gated_mib=1200.0)
     return TestRecord(test="t.py::test_x[a|b]", status="failed", cause="limit", nproc=(2, 8), launcher="torchrun",
                       limits=Limits(max_mib=900.0, max_ratio=None, allow_mib=0.0, rank="all",
                                     tolerance="max(5%, 32MiB)"),

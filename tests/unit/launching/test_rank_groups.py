@@ -1,9 +1,9 @@
 """Simulated ranks that do not fit the GPUs together run in groups, one after another, merged into one run."""
 
-from pytest_gpumem.judging.verdict import SizeResult
 from pytest_gpumem.launching.launch import LaunchResult
 from pytest_gpumem.launching.rank_groups import merged, rank_groups
 from pytest_gpumem.launching.runs import SizeRun
+from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from ..judging.baseline import _write_atomic
+from .atomic import write_atomic
 
 
 def now() -> str:
@@ -32,4 +32,4 @@ def replace_entry(path: Path, *, schema: int, list_key: str, entry: dict[str, An
     with FileLock(str(path) + ".lock", timeout=lock_timeout_s, mode=0o600):
         rows = sorted(kept(), key=lambda e: str(e["measured"]))[-(max_entries - 1):] + [entry]
         data = json.dumps({"schema": schema, list_key: rows}, indent=1, sort_keys=True) + "\n"
-        _write_atomic(path, data.encode("utf-8"))
+        write_atomic(path, data.encode("utf-8"))

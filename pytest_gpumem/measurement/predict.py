@@ -96,7 +96,7 @@ class Fit:
     def sizes(self) -> tuple[int, ...]:
         return tuple(n for n, _ in self.points)
 
-    def at(self, world_size: int) -> float:
+    def at(self, world_size: float) -> float:
         return sum(c * term(world_size) for c, term in zip(self.coefficients, self.model.terms))
 
     def describe(self) -> str:

@@ -11,7 +11,9 @@ import pytest
 from pytest_gpumem.config.spec import Defaults, parse_marker
 from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.assemble import build
-from pytest_gpumem.judging.predict import (
+from pytest_gpumem.judging.verdict import judge
+from pytest_gpumem.launching.scaling import Capacity, plan
+from pytest_gpumem.measurement.predict import (
     FLAT,
     LINEAR,
     SHARDED,
@@ -22,8 +24,7 @@ from pytest_gpumem.judging.predict import (
     loo_error,
     predict,
 )
-from pytest_gpumem.judging.verdict import SizeResult, judge
-from pytest_gpumem.launching.scaling import Capacity, plan
+from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 SIZES = (1, 2, 4, 8)
@@ -285,7 +286,7 @@ def test_every_output_labels_the_predicted_size():
     rec = _predicted_record()
     sizes = {s.nproc: s for s in rec.sizes}
     assert sizes[8].basis == "predicted by a + b*N from nproc 1,2,4; LOO error 0.0%"
-    assert sizes[4].prediction is None and sizes[8].failed and not sizes[4].failed
+    assert sizes[4].measured.prediction is None and sizes[8].failed and not sizes[4].failed
     lines = table([rec])
     assert "740.0 (rank 0, predicted)" in lines[5] and lines[5].rstrip().endswith("failed (limit)")
     assert lines[-1] == ("nproc=8 of t/p.py::test_grows: predicted by a + b*N from nproc 1,2,4; "
@@ -340,8 +341,9 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
 def test_gpumem_diff_never_compares_a_prediction_with_a_measurement():
 
     predicted = _predicted_record()
-    measured = dataclasses.replace(predicted, sizes=(*predicted.sizes[:-1], dataclasses.replace(
-        predicted.sizes[-1], prediction=None, gated_mib=600.0)))
+    last = predicted.sizes[-1]
+    launched = dataclasses.replace(last, measured=dataclasses.replace(last.measured, prediction=None), gated_mib=600.0)
+    measured = dataclasses.replace(predicted, sizes=(*predicted.sizes[:-1], launched))
     kinds = {(r.test, r.nproc): r.kind for r in report_diff.diff_reports([measured], [predicted]).rows}
     assert kinds[("t/p.py::test_grows", 8)] == "predicted on one side"
     assert kinds[("t/p.py::test_grows", 4)] == "unchanged"
