@@ -326,8 +326,11 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
     one = by_size.get(ref)
     if "baseline" in kinds and entry is not None and entry.sites:
         return _against_baseline(entry, new)
-    if size > ref and one is not None and one.sites.get(0):
-        return growth_mod.site_growth(one.sites[0], new, f"nproc={ref}")
+    # The same rank at the reference; for rank="all" the reference's largest (a relaunch records it).
+    ref_rank = one.gated_rank(test.spec.rank) if one is not None else None
+    if size > ref and one is not None and ref_rank is not None and one.sites.get(ref_rank):
+        against = f"nproc={ref}" if ref_rank == rank else f"rank {ref_rank} (largest) at nproc={ref}"
+        return growth_mod.site_growth(one.sites[ref_rank], new, against)
     if entry is not None and entry.sites:
         return _against_baseline(entry, new)
     return None
@@ -347,8 +350,11 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     sites: list[str] = []
     if grown is not None and (grown.grown or grown.summary()):
         size = max((c.world_size for c in verdict.failures), default=0)
-        sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):"
-                     if test.spec.rank != "all" else f"  peak sites that grew since {grown.against}:")
+        if test.spec.rank == "all":  # the largest rank, which may not be the reference's
+            label = next((c.rank_label for c in verdict.failures if c.world_size == size), "the largest rank")
+            sites.append(f"  peak sites of {label} at nproc={size} that grew since {grown.against}:")
+        else:
+            sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):")
         sites.extend(f"    {line}" for line in grown.lines())
     if not changed:
         driver = hardware_change(next(iter(stored.values())), test.provenance) if stored else []

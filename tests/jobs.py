@@ -563,7 +563,7 @@ import pytest
 TP, PP = 2, 2
 
 
-def megatron_job(gather=False, steps=2, microbatches=4):
+def megatron_job(gather=False, steps=2, microbatches=4, layers=8, hidden=2048, heads=16):
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -576,7 +576,8 @@ def megatron_job(gather=False, steps=2, microbatches=4):
     torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
     model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(num_layers=8, hidden_size=2048, num_attention_heads=16, pipeline_dtype=torch.float32,
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                               pipeline_dtype=torch.float32,
                                params_dtype=torch.float32, tensor_model_parallel_size=TP,
                                pipeline_model_parallel_size=PP)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32768,

@@ -791,3 +791,39 @@ def test_megatron_tp2_pp2_holds_its_ratio_from_4_to_8_and_a_gradient_gather_over
     assert largest[0] in first_stage and top["gated_rank"] in {int(r) for r in first_stage}, top["gated_label"]
     assert _size(healthy, 8)["ratio"] <= 1.05 < _size(gathering, 8)["ratio"]
     result.stdout.fnmatch_lines(["*rank * (largest) at nproc=8 *: peak * MiB > 1.05 x * MiB (nproc=4)*"])
+    # The line that grew, between the largest rank at 8 and the reference's largest at 4.
+    result.stdout.fnmatch_lines([
+        "*peak sites of rank * (largest) at nproc=8 that grew since rank * (largest) at nproc=4:*",
+        "*MiB  test_megatron.py:* megatron_job*"])
+
+
+# Ranks of more than an eighth of the GPU each: world 8 does not fit on it at once, so its simulated
+# ranks run one after another, each measured alone (24 layers, hidden 4096: 1.2 B parameters a rank).
+MEGATRON_LARGE = '''
+@pytest.mark.gpumem(nproc=8, device="gpu", rank="all", timeout=900)
+def test_megatron_large():
+    megatron_job(layers=24, hidden=4096, heads=32, steps=1)
+'''
+
+
+@needs_gpu
+def test_megatron_rank_all_at_8_measures_ranks_over_an_eighth_of_the_gpu_one_at_a_time(pytester, launch_tag):
+    """Issue 35: rank="all" at world 8 of a job whose every rank takes over 1/8 of the GPU runs on one
+    GPU (eight launches, one after another) and names the largest rank, a first-stage one."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from jobs import TORCH_MEGATRON
+
+    total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+    result, records = _run_job(pytester, "test_megatron_large", TORCH_MEGATRON + MEGATRON_LARGE)
+    rec = records["test_megatron_large"]
+    size = _size(rec, 8)
+    device = {int(r): mib for r, mib in size["ranks"].items()}
+    allocated = {int(r): a["allocated_mib"] for r, a in size["allocated_ranks"].items()}
+    print(f"GPU {total_mib:.0f} MiB, an eighth {total_mib / 8:.0f}; {size['gated_label']}; device {device}; "
+          f"allocated {allocated}; duration {size['duration_s']} s; notes {rec['notes']}")
+    assert rec["status"] == "passed", rec["messages"]
+    assert size["simulated"] == list(range(8)) and sorted(device) == list(range(8))
+    assert min(device.values()) > total_mib / 8 and sum(device.values()) > total_mib  # not at once
+    assert size["gated_rank"] in range(4) and size["gated_label"] == f"rank {size['gated_rank']} (largest)"
+    assert device[size["gated_rank"]] == max(device.values())

@@ -406,3 +406,35 @@ def test_auto_resolved_edges(mib, exact_ok, moving_ok):
         v = judge(spec(nproc=1), [result(1, mib)], {1: BaselineRef(300.0, auto.resolve(exact))})
         assert v.passed is ok
     assert auto.allowance(300.0) == 32.0  # unresolved (a report read without its machine): never tighter
+
+
+def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
+    """rank="all" with reference=4 (Megatron TP=2 x PP=2): the relaunch records each size's largest
+    rank, rank 1 at 4 and rank 3 at 8; the growth is taken between those two, not against rank 0 at
+    4 (which has no sites), and the failure names both."""
+    from pytest_gpumem.gate import explain_failure, grown_sites
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.sampling.sites import Site
+
+    spec = parse_marker((), {"nproc": [4, 8], "reference": 4, "rank": "all", "max_ratio": 1.05}, Defaults())
+    kept = Site("train.py:40", "step", "all_gather", 512.0)
+    grads = Site("train.py:52", "step", "", 1024.0)
+
+    def run(n: int, peaks: dict[int, float], sites: tuple[Site, ...]) -> SizeRun:
+        top = max(peaks, key=lambda r: peaks[r])
+        result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
+                            sites={top: sites})
+        return SizeRun(result, LaunchResult(n, "direct", []), {})
+
+    test = TestRun("t.py::test_tp_pp", spec, runs=[
+        run(4, {0: 1500.0, 1: 1600.0, 2: 900.0, 3: 900.0}, (grads,)),
+        run(8, {r: (1600.0 + 512.0 if r == 3 else 1500.0) for r in range(8)}, (grads, kept))])
+    verdict = judge(spec, test.results)
+    assert not verdict.passed
+    grown = grown_sites(test, verdict, {})
+    assert grown is not None and grown.against == "rank 1 (largest) at nproc=4"
+    assert [c.label for c in grown.grown] == ["train.py:40 step (all_gather)"]
+    text = explain_failure(test, verdict, [], {}, grown)
+    assert "peak sites of rank 3 (largest) at nproc=8 that grew since rank 1 (largest) at nproc=4:" in text
+    assert "+512.0 MiB  train.py:40 step (all_gather)  (new)" in text
