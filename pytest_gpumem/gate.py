@@ -86,7 +86,9 @@ class Gate:
 
     def _evaluate(self, test: TestRun) -> Outcome:
         spec = test.spec
-        test.provenance.update({**config_provenance(dict(spec.config)), "launcher": spec.launcher})
+        # What the marker declared, beside what the ranks reported: a judged copy, the run left as it was.
+        test = replace(test, provenance={**test.provenance, **config_provenance(dict(spec.config)),
+                                         "launcher": spec.launcher})
         problems = list(test.problems)
         cause: Cause | None = "crash" if problems else None  # the first problem's kind is the test's cause
         notes = [note for run in test.runs for note in run.notes]

@@ -60,7 +60,7 @@ def test_measure_prints_the_scaling_table_of_a_script_and_leaves_nothing(tmp_pat
     assert [(s.nproc, s.predicted) for s in records[0].sizes] == [(1, False), (2, False), (4, True)]
     assert (records[0].status, records[0].cause) == ("measured", None)
     assert "| measured |" in markdown.read_text() and "pass" not in markdown.read_text()
-    assert len(records[0].sizes[1].ranks) == 2
+    assert len(records[0].sizes[1].measured.peaks) == 2
     assert "**predicted**" in markdown.read_text()
     # The launch folders are gone (torch itself may leave its compile cache folder there).
     assert [p.name for p in private_tmp.iterdir() if p.name.startswith("gpumem")] == []
@@ -89,7 +89,7 @@ def test_a_cuda_script_is_measured_on_a_fake_gpu_and_says_so(tmp_path, private_t
     rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[3:])}
     assert [rows[n][1] for n in ("1", "2", "4")] == ["256.0 (rank 0)", "128.0 (rank 0)", "64.0 (rank 0)"]
     assert all("fake GPU NVIDIA H200" in rows[n][-1] for n in rows), rows
-    assert [s.fake_gpu for s in load_report(report)[0].sizes] == ["NVIDIA H200"] * 3
+    assert [s.measured.fake_gpu for s in load_report(report)[0].sizes] == ["NVIDIA H200"] * 3
 
 
 def test_a_failing_program_exits_1_with_its_output(tmp_path, private_tmp, launch_tag):

@@ -178,25 +178,26 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
             test.skip_reason = run.all_skipped
             return test
     if chosen.predicted:
-        _predict(test, spec, chosen.predicted)
+        test.predicted, why = _predict(test, spec, chosen.predicted)
+        test.unlaunched = {**test.unlaunched, **why}
     return test
 
 
-def _predict(test: TestRun, spec: Spec, sizes: tuple[int, ...]) -> None:
-    """A predicted :class:`SizeResult` for each of ``sizes``, fitted on the launched ones."""
+def _predict(test: TestRun, spec: Spec, sizes: tuple[int, ...]) -> tuple[list[SizeResult], dict[int, str]]:
+    """A predicted :class:`SizeResult` for each of ``sizes``, fitted on the launched ones; or none,
+    and why each cannot be predicted (nothing, where the verdict fails on a launched size anyway)."""
     label = "largest rank" if spec.rank == "all" else f"rank {spec.rank}"
     launched = [r for r in test.results if not r.predicted]
     device, platform = launched[-1].device, launched[-1].platform
     main = DEVICE if device == "gpu" else HOST
     try:
-        for n in sizes:
-            points, floors = _points(test, spec, main)
-            prediction = predict(points, n, label, floors)
-            allocated, _ = _points(test, spec, ALLOCATED) if device == "gpu" else ([], {})
-            test.predicted.append(SizeResult(
-                world_size=n, device=device, peaks={}, platform=platform, prediction=prediction,
-                allocated_prediction=predict(allocated, n, label) if allocated else None))
+        points, floors = _points(test, spec, main)
+        allocated, _ = _points(test, spec, ALLOCATED) if device == "gpu" else ([], {})
+        return [SizeResult(world_size=n, device=device, peaks={}, platform=platform,
+                           prediction=predict(points, n, label, floors),
+                           allocated_prediction=predict(allocated, n, label) if allocated else None)
+                for n in sizes], {}
     except PredictError as exc:
-        test.predicted.clear()
         if all(r.gated(spec.rank)[1] is not None for r in launched):  # else the verdict fails on it
-            test.unlaunched.update({n: f"cannot be predicted: {exc}" for n in sizes})
+            return [], {n: f"cannot be predicted: {exc}" for n in sizes}
+        return [], {}
