@@ -297,7 +297,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "fake_gpu": m.fake_gpu,
         "uncounted": list(m.uncounted),
         "allocated_ranks": _keyed(m.allocated, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
-            None if a.reserved_mib is None else round(a.reserved_mib, 2)), "framework": a.framework}),
+            None if a.reserved_mib is None else round(a.reserved_mib, 2))}),  # torch's: the one allocator read
         "allocated_mib": s.allocated_mib,
         "allocated_baseline_mib": s.allocated_baseline_mib,
         "sites": _keyed(m.sites, lambda sites: [site.as_dict() for site in sites]),

@@ -289,8 +289,7 @@ class _Reader(_Fields):
     def _allocated(self, raw: Any, where: str) -> AllocatedPeak | None:
         raw = self.obj(raw, where)
         mib = self.number(raw, "allocated_mib", where, optional=False)
-        return None if mib is None else AllocatedPeak(mib, self.number(raw, "reserved_mib", where),
-                                                      self.text(raw, "framework", where, "torch"))
+        return None if mib is None else AllocatedPeak(mib, self.number(raw, "reserved_mib", where), "torch")
 
     def _sites(self, raw: Any, where: str) -> tuple[Site, ...] | None:
         if not (isinstance(raw, list) and all(isinstance(s, dict) and isinstance(s.get("where"), str)
