@@ -88,4 +88,4 @@ def site_lines(good: SizeRecord, bad: SizeRecord) -> list[str]:
     before, after = good.measured.sites.get(rank), bad.measured.sites.get(rank)
     if before is None or not after:
         return []
-    return site_growth(list(before), list(after), "the last good commit").lines()
+    return site_growth(before, after, "the last good commit").lines()

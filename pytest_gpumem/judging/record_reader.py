@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar, cast
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
-from ..measurement.predict import MODELS, Candidate, Fit, Prediction
+from ..measurement.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
 from ..measurement.size import FloorResult, SizeResult
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.sites import Site, from_dicts
@@ -34,7 +34,6 @@ from .record import (
 )
 
 T = TypeVar("T")
-MODELS_BY_NAME = {model.name: model for model in MODELS}
 _RANK_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
@@ -240,7 +239,7 @@ class _Reader(_Fields):
         if not isinstance(raw, dict):
             self.bad(where, "an object (the fit) or null", raw)
             return None
-        model = MODELS_BY_NAME.get(raw.get("model"))  # type: ignore[arg-type]
+        model = MODELS_BY_NAME.get(str(raw.get("model")))
         if model is None:
             self.bad(f"{where}.model", f"one of {', '.join(MODELS_BY_NAME)}", raw.get("model"))
             return None
@@ -249,7 +248,6 @@ class _Reader(_Fields):
                 and all(_is_number(c) for c in coefficients)):
             self.bad(f"{where}.coefficients", f"{model.params} numbers (model {model.name})", coefficients)
             return None
-        candidates = self.per_name(raw, "candidates", where)
         mib = self.number(raw, "mib", where, optional=False)
         floor_size = raw.get("floor_size")
         if floor_size is not None and not (type(floor_size) is int and floor_size >= 1):
@@ -257,25 +255,25 @@ class _Reader(_Fields):
             floor_size = None
         fit = Fit(model, tuple(float(c) for c in coefficients), self._points(raw, "fitted_on", where),
                   self.number(raw, "loo_error", where),
-                  tuple(Candidate(MODELS_BY_NAME[name], loo) for name, loo in candidates.items()),
+                  self._candidates(raw, "candidates", where),
                   self._points(raw, "left_out", where), self.number(raw, "loo_error_with_left_out", where))
         return Prediction(world_size=world_size, mib=mib or 0.0, fit=fit,
                           rank_label=self.text(raw, "rank", where, "rank 0"),
                           floor_mib=self.number(raw, "floor_mib", where), floor_size=floor_size)
 
-    def per_name(self, raw: Mapping[str, Any], key: str, where: str) -> dict[str, float | None]:
-        """A fit's candidate models: model name -> its LOO error, or null where it was not judged."""
+    def _candidates(self, raw: Mapping[str, Any], key: str, where: str) -> tuple[Candidate, ...]:
+        """A fit's candidate models (model name -> its LOO error, or null where it was not judged)."""
         value = raw.get(key) or {}
         if not isinstance(value, dict):
             self.bad(f"{where}.{key}", "an object of model name -> LOO error", value)
-            return {}
-        out: dict[str, float | None] = {}
+            return ()
+        out = []
         for name, loo in value.items():
             if name not in MODELS_BY_NAME or not (loo is None or _is_number(loo)):
                 self.bad(f"{where}.{key}.{name}", f"a model ({', '.join(MODELS_BY_NAME)}) -> a number or null", loo)
                 continue
-            out[name] = None if loo is None else float(loo)
-        return out
+            out.append(Candidate(MODELS_BY_NAME[name], None if loo is None else float(loo)))
+        return tuple(out)
 
     def _points(self, raw: Mapping[str, Any], key: str, where: str) -> tuple[tuple[int, float], ...]:
         return tuple(sorted(self.per_rank(raw, key, where, self.mib).items()))

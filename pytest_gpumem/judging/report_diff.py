@@ -139,7 +139,7 @@ def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
     after = new.measured.sites.get(new.gated_rank) if new.gated_rank is not None else None
     if not before or not after:
         return ()
-    return tuple(site_growth(list(before), list(after), "old").lines())
+    return tuple(site_growth(before, after, "old").lines())
 
 
 def diff_reports(old: Iterable[TestRecord], new: Iterable[TestRecord],

@@ -69,6 +69,7 @@ LINEAR = Model("linear", "a + b*N", (_one, _n))
 SHARDED = Model("sharded", "a + b/N", (_one, _inv))
 SUM = Model("sum", "a + b*N + c/N", (_one, _n, _inv))
 MODELS: tuple[Model, ...] = (FLAT, LINEAR, SHARDED, SUM)  # simplest first: ties go to the earlier
+MODELS_BY_NAME = {model.name: model for model in MODELS}  # a fit read back from a report
 
 
 @dataclass(frozen=True)
