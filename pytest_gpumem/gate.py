@@ -75,13 +75,13 @@ class Gate:
             return f"; fix what it names, or move {file} aside to record it anew, then refresh again"
         return f"; fix what it names, or restore it from version control (git checkout -- {file})"
 
-    def evaluate(self, test: TestRun, relaunch: Callable[[TestRun, set[int]], None] | None = None) -> Outcome:
+    def evaluate(self, test: TestRun, relaunch: Callable[[TestRun, set[int]], TestRun] | None = None) -> Outcome:
         """Judge, refresh, explain. ``relaunch(test, sizes)``: where a failing GPU size has no peak
-        sites (its allocator history was not recorded), relaunch those sizes with it, then judge again."""
+        sites (its allocator history was not recorded), the test with those sizes relaunched with
+        it, judged again."""
         outcome = self._evaluate(test)
         if relaunch is not None and outcome.failure and (wanted := sites_wanted(test, outcome)):
-            relaunch(test, wanted)
-            outcome = self._evaluate(test)
+            outcome = self._evaluate(relaunch(test, wanted))
         return outcome
 
     def _evaluate(self, test: TestRun) -> Outcome:

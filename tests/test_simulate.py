@@ -82,14 +82,16 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
     run = SizeRun(result=result, launch=LaunchResult(2, "direct", []),
                   outcomes={0: RankResult("passed"), 1: RankResult("failed", error="E")},
                   problems=["rank 1 failed"])
-    out = _as_world(run, (3, 7), 8).result
+    world = _as_world(run, (3, 7), 8)
+    out = world.result
     assert out.world_size == 8 and out.simulated == (3, 7)
     assert out.platform == "cpu:x86_64 (simulated)"  # never compared with a real launch of that size
     assert {r: p.mib for r, p in out.peaks.items()} == {3: 100.0, 7: 120.0}
     assert set(out.host_peaks) == {3, 7} and out.rss_peaks == {3: 1.0, 7: 2.0}
     assert out.timeline == ((0.5, {3: 10.0, 7: 11.0}),)
-    assert {r: o.outcome for r, o in run.outcomes.items()} == {3: "passed", 7: "failed"}
-    assert run.problems == ["rank 1 failed"]
+    assert {r: o.outcome for r, o in world.outcomes.items()} == {3: "passed", 7: "failed"}
+    assert world.problems == ["rank 1 failed"]
+    assert set(run.outcomes) == {0, 1} and run.result is result  # the launch's own run is left as it was
 
 
 def test_a_simulated_platform_key_is_marked_once():

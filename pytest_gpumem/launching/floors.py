@@ -25,30 +25,34 @@ class Floors:
         self.launch_probe = launch_probe
         self._found: dict[tuple, tuple[FloorResult | None, list[str]]] = {}
 
-    def add(self, test: TestRun) -> None:
-        """The floor of each figure that shows one (floor=auto: GPU figures; on: every figure): from
-        this session, from the floor cache, or measured by an empty launch (once per framework,
-        launcher, device, env and size). Looked up after the test's launch, which names the framework."""
-        for run in test.runs:
-            result = run.result
-            if result.simulated:  # an empty job under a stand-in communicator measures no communicator
-                continue
-            if not (self.mode == "on" or (self.mode == "auto" and result.device == "gpu")):
-                continue
-            framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
-            if framework is None:
-                continue
-            probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
-                            args=(framework, result.device), device=result.device, nproc=(result.world_size,))
-            key = (framework, probe.launch_key(), result.world_size)
-            if key not in self._found:
-                self._found[key] = self._floor(test.test_id, probe, framework, run)
-                run.notes.extend(self._found[key][1])  # said once, on the run that looked it up
-            floor = self._found[key][0]
-            if floor is None:
-                run.notes.append(f"the {framework} floor at nproc={result.world_size} could not be measured")
-                continue
-            run.result = replace(result, floor=floor)
+    def with_floors(self, test: TestRun) -> TestRun:
+        """``test`` with the floor of each figure that shows one (floor=auto: GPU figures; on: every
+        figure): from this session, from the floor cache, or measured by an empty launch (once per
+        framework, launcher, device, env and size). Looked up after the test's launch, which names
+        the framework."""
+        return replace(test, runs=[self._with_floor(test, run) for run in test.runs])
+
+    def _with_floor(self, test: TestRun, run: SizeRun) -> SizeRun:
+        result = run.result
+        if result.simulated:  # an empty job under a stand-in communicator measures no communicator
+            return run
+        if not (self.mode == "on" or (self.mode == "auto" and result.device == "gpu")):
+            return run
+        framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
+        if framework is None:
+            return run
+        probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
+                        args=(framework, result.device), device=result.device, nproc=(result.world_size,))
+        key = (framework, probe.launch_key(), result.world_size)
+        notes: list[str] = []
+        if key not in self._found:
+            self._found[key] = self._floor(test.test_id, probe, framework, run)
+            notes = self._found[key][1]  # said once, on the run that looked it up
+        floor = self._found[key][0]
+        if floor is None:
+            notes = [*notes, f"the {framework} floor at nproc={result.world_size} could not be measured"]
+            return replace(run, notes=[*run.notes, *notes])
+        return replace(run, result=replace(result, floor=floor), notes=[*run.notes, *notes])
 
     def _floor(self, test_id: str, probe: Spec, framework: str, run: SizeRun) -> tuple[FloorResult | None, list[str]]:
         """(the floor, notes): the cached one unless refreshing; otherwise launched, then cached."""

@@ -1,11 +1,12 @@
 """Start N ranks through a real launcher, supervise them, and make sure every process is gone.
 
-Three launchers share one environment contract (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
-LOCAL_RANK): ``python -m oneflow.distributed.launch``, ``torchrun`` and ``direct`` (we spawn the
-ranks). Every launch runs in sessions of its own, because OneFlow's launcher answers a failed
-rank with ``killpg(getpid(), SIGTERM)``, which would otherwise take pytest with it. The launch
-owns its timeout: neither launcher has one, and a rank stuck in a collective waits forever.
-"""
+Every launcher shares one environment contract (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK): ``python -m oneflow.distributed.launch``, ``torchrun``, ``direct`` (we spawn the
+ranks), ``srun`` (``slurm.py``) and any registered through the ``pytest_gpumem_launchers`` hook.
+Every launch runs in sessions of its own, because OneFlow's launcher answers a failed rank with
+``killpg(getpid(), SIGTERM)``, which would otherwise take pytest with it. The launch owns its
+timeout: no launcher has one, and a rank stuck in a collective waits forever. What a launch
+learns while it runs is its own state; its :class:`LaunchResult` is built once, when it ends."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..rankside import protocol
 from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
@@ -37,7 +38,7 @@ _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "
              "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", SIMULATE_ENV, SLOT_ENV)
 _TICK_S = 0.02
 DEFAULT_FAIL_FAST_GRACE_S = 2.0  # gpumem_fail_fast_grace: the other ranks' time to report their own failure
-_STACK_DUMP_WAIT_S = 1.0
+STACK_DUMP_WAIT_S = 1.0
 # How torch's TCPStore ("EADDRINUSE, message: address already in use") and OneFlow's control
 # server ("Address already in use") say that the rendezvous port was taken.
 _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
@@ -203,7 +204,11 @@ class Launch(LaunchProcesses):
         self.request = request
         self.on_rank = on_rank
         super().__init__(uuid.uuid4().hex)
+        # What the launch learns while it runs, its own state: LaunchResult is built from it once, at the end.
         self._results: dict[int, protocol.RankResult] = {}
+        self._pids: dict[int, int] = {}
+        self._ended_at: dict[int, float] = {}
+        self._failed_at: dict[int, float] = {}
 
     def run(self) -> LaunchResult:
         req = self.request
@@ -212,27 +217,33 @@ class Launch(LaunchProcesses):
         lease, note = self._lease_port()
         port = lease.port if lease is not None else free_port()
         command = self._command(port)
-        result = LaunchResult(nproc=req.nproc, launcher=req.launcher, command=command,
-                              pythonpath=env.get("PYTHONPATH"), port=port, port_note=note,
-                              simulated=req.simulated, world_size=req.world_size)
+        started: tuple[str, str | None] = ("exec", None)
+        ending = _Ending("done")
         start = time.monotonic()
         guard = SignalGuard()
         try:
             guard.arm()
-            self._start_ranks(command, env, port, result)
-            self._supervise(result, start)
+            started = self._start_ranks(command, env, port)
+            ending = self._supervise(start)
         except FatalSignal as exc:
             guard.held.append(exc.signum)  # raised again once the launch's processes are gone
         finally:
             guard.hold()
             try:
-                result.duration_s = time.monotonic() - start
-                result.stopped = frozenset(self._running_ranks(result))  # what the cleanup ends
-                result.leftovers = self._cleanup()
-                self._collect_exit_codes(result)
+                duration = time.monotonic() - start
+                stopped = frozenset(self._running_ranks())  # what the cleanup ends
+                leftovers = self._cleanup()
+                exits = self._exit_codes(timed_out=ending.end == "timeout")
                 self._read_results()
-                result.results = dict(self._results)
-                result.port_lost = self._port_lost()
+                result = LaunchResult(
+                    nproc=req.nproc, launcher=req.launcher, command=command, pids=dict(self._pids),
+                    returncodes=exits.returncodes, launcher_returncode=exits.launcher_returncode,
+                    timed_out=ending.end == "timeout", duration_s=duration, stacks=ending.stacks,
+                    leftovers=leftovers, nodes=exits.nodes, problems=list(exits.problems),
+                    simulated=req.simulated, world_size=req.world_size, results=dict(self._results),
+                    end=ending.end, ended_at=dict(self._ended_at), failed_at=dict(self._failed_at),
+                    stopped=stopped, pythonpath=env.get("PYTHONPATH"), start=started[0],
+                    start_refusal=started[1], port=port, port_note=note, port_lost=self._port_lost())
             finally:
                 if lease is not None:
                     lease.release()  # held until every process of the launch is gone
@@ -244,9 +255,11 @@ class Launch(LaunchProcesses):
         """The command that starts the launcher (or, for a launcher of ``per_rank``, each rank)."""
         raise NotImplementedError(f"{type(self).__name__} says no command")
 
-    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int, result: LaunchResult) -> None:
-        """One launcher process, which starts the ranks; its output in ``launcher.log``."""
+    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int) -> tuple[str, str | None]:
+        """One launcher process, which starts the ranks; its output in ``launcher.log``. Returns how
+        the ranks were started ("exec" or "fork") and, where a fork was asked for and refused, why."""
         self._spawn(command, env, self.request.workdir / "launcher.log")
+        return "exec", None
 
     def _lease_port(self) -> tuple[PortLease | None, str | None]:
         """The launch's MASTER_PORT, leased for its life (``ports.py``); a launcher that picks its own
@@ -298,23 +311,22 @@ class Launch(LaunchProcesses):
             self._procs.append(proc)
         self._remember(proc.pid)
 
-    def _supervise(self, result: LaunchResult, start: float) -> None:
+    def _supervise(self, start: float) -> _Ending:
         req = self.request
         deadline = start + req.timeout
         failed_at: float | None = None
         last_scan = 0.0
         while True:
-            self._discover(result)
+            self._discover()
             now = time.monotonic()
             if now - last_scan > 0.25:
                 self._track_descendants()
                 last_scan = now
             codes = [p.poll() for p in self._procs]
             reported = self._rank_reported_failure()
-            self._note_ends(result, codes, now - start)
+            self._note_ends(codes, now - start)
             if all(code is not None for code in codes):
-                result.end = "done"
-                return
+                return _Ending("done")
             if failed_at is None and (reported or (
                     self.per_rank and any(c not in (None, 0) for c in codes))):
                 # Like torchrun: one failed rank ends the launch, after a grace for the others to
@@ -322,36 +334,32 @@ class Launch(LaunchProcesses):
                 # exit barrier, waiting for peers that wait for it.
                 failed_at = now
             if failed_at is not None and now - failed_at >= req.fail_fast_grace:
-                result.end = "fail-fast"
-                self._dump_stacks(result)  # where the ranks still running were: the report shows it
-                return
+                # where the ranks still running were: the report shows it
+                return _Ending("fail-fast", self._dump_stacks())
             if now >= deadline:
-                result.timed_out = True
-                result.end = "timeout"
-                self._dump_stacks(result)
-                return
+                return _Ending("timeout", self._dump_stacks())
             time.sleep(_TICK_S)
 
-    def _note_ends(self, result: LaunchResult, codes: list[int | None], elapsed: float) -> None:
+    def _note_ends(self, codes: list[int | None], elapsed: float) -> None:
         """When each rank was first seen to end, and to report a failed test: the order of failures."""
         for rank, reported in self._results.items():  # read by _rank_reported_failure
             if reported.outcome == "failed":
-                result.failed_at.setdefault(rank, elapsed)
-        for rank in self._ended_ranks(result, codes):
-            result.ended_at.setdefault(rank, elapsed)
+                self._failed_at.setdefault(rank, elapsed)
+        for rank in self._ended_ranks(codes):
+            self._ended_at.setdefault(rank, elapsed)
 
-    def _ended_ranks(self, result: LaunchResult, codes: list[int | None]) -> set[int]:
+    def _ended_ranks(self, codes: list[int | None]) -> set[int]:
         """The ranks whose process has ended (direct: the processes we started, one per rank;
         a launcher's ranks: the pids they announced)."""
         if self.per_rank:
             return {rank for rank, code in enumerate(codes) if code is not None}
-        return {rank for rank, pid in result.pids.items()
+        return {rank for rank, pid in self._pids.items()
                 if pid not in self._seen or not self._alive([self._seen[pid]])}
 
-    def _running_ranks(self, result: LaunchResult) -> set[int]:
+    def _running_ranks(self) -> set[int]:
         codes = [p.poll() for p in self._procs]
-        known = set(range(len(self._procs))) if self.per_rank else set(result.pids)
-        return known - self._ended_ranks(result, codes)
+        known = set(range(len(self._procs))) if self.per_rank else set(self._pids)
+        return known - self._ended_ranks(codes)
 
     def _read_results(self) -> None:
         """Each rank's result, parsed once: it is written whole, once, when the rank's test ends."""
@@ -365,14 +373,14 @@ class Launch(LaunchProcesses):
         self._read_results()
         return any(r.outcome == "failed" for r in self._results.values())
 
-    def _discover(self, result: LaunchResult) -> None:
+    def _discover(self) -> None:
         for rank in range(self.request.nproc):
-            if rank in result.pids:
+            if rank in self._pids:
                 continue
             pid = protocol.read_hello_pid(self.request.workdir, rank)
             if pid is None:
                 continue
-            result.pids[rank] = pid
+            self._pids[rank] = pid
             self._watch_rank(pid)
             self.on_rank(rank, pid)
 
@@ -380,31 +388,56 @@ class Launch(LaunchProcesses):
         """A rank's process is ours to clean up (its own host: the local launchers)."""
         self._remember(pid)
 
-    def _dump_stacks(self, result: LaunchResult) -> None:
-        """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) before killing it."""
+    def _dump_stacks(self) -> dict[int, str]:
+        """Every live rank's Python stacks (faulthandler on SIGUSR1), asked for before it is killed."""
         asked = []
-        for rank, pid in result.pids.items():
+        for rank, pid in self._pids.items():
             try:
                 os.kill(pid, signal.SIGUSR1)
                 asked.append(rank)
             except OSError:
                 pass
-        end = time.monotonic() + _STACK_DUMP_WAIT_S
+        end = time.monotonic() + STACK_DUMP_WAIT_S
         while time.monotonic() < end and not all(
                 protocol.read_tail(self.request.workdir, rank, "stack").strip() for rank in asked):
             time.sleep(0.05)
         time.sleep(0.05)  # faulthandler writes a thread at a time: let the last one finish
-        for rank in result.pids:
-            text = protocol.read_tail(self.request.workdir, rank, "stack")
-            if text.strip():
-                result.stacks[rank] = _user_frames(text)
+        return read_stacks(self.request.workdir, self._pids)
 
-    def _collect_exit_codes(self, result: LaunchResult) -> None:
+    def _exit_codes(self, timed_out: bool) -> Exits:
+        """How the processes ended: one exit code a rank (direct) or the launcher's."""
         codes = [p.returncode for p in self._procs]
         if self.per_rank:
-            result.returncodes = {rank: code for rank, code in enumerate(codes) if code is not None}
-        else:
-            result.launcher_returncode = codes[0] if codes else None
+            return Exits(returncodes={rank: code for rank, code in enumerate(codes) if code is not None})
+        return Exits(launcher_returncode=codes[0] if codes else None)
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """How supervision ended ("done", "fail-fast" or "timeout") and the stacks dumped on the way out."""
+
+    end: str
+    stacks: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exits:
+    """What the processes' ends said: exit codes, and (srun) each rank's node and the launcher's problems."""
+
+    returncodes: dict[int, int] = field(default_factory=dict)
+    launcher_returncode: int | None = None
+    nodes: dict[int, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+
+def read_stacks(workdir: Path, ranks: Iterable[int]) -> dict[int, str]:
+    """The user's frames of each rank's stack dump, where it wrote one."""
+    found = {}
+    for rank in ranks:
+        text = protocol.read_tail(workdir, rank, "stack")
+        if text.strip():
+            found[rank] = _user_frames(text)
+    return found
 
 
 # Frames every rank has in common (pytest, pluggy, runpy; a forked rank's stack starts in the pytest

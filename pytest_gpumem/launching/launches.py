@@ -189,10 +189,9 @@ def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
         return tuple((t, keyed(values)) for t, values in points)
 
     result = run.result
-    run.result = replace(
+    # its problems name the ranks its processes stood for already (failures.who)
+    return replace(run, outcomes=keyed(run.outcomes), result=replace(
         result, world_size=world, simulated=ranks, platform=simulated_key(result.platform),
         peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
         rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
-        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline))
-    run.outcomes = {ranks[slot]: o for slot, o in run.outcomes.items() if slot < len(ranks)}
-    return run  # its problems name the ranks its processes stood for already (failures.who)
+        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline)))

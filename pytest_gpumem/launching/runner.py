@@ -57,12 +57,9 @@ class Runner:
     def run(self, test_id: str, spec: Spec) -> TestRun:
         test = self._run(test_id, spec)
         if test.skip_reason is None and not test.problems:
-            self.floors.add(test)
-        for run in reversed(test.runs):
-            if run.provenance:
-                test.provenance = dict(run.provenance)
-                break
-        return test
+            test = self.floors.with_floors(test)
+        newest = next((run.provenance for run in reversed(test.runs) if run.provenance), None)
+        return test if newest is None else replace(test, provenance=dict(newest))
 
     def _run(self, test_id: str, spec: Spec) -> TestRun:
         test = TestRun(test_id, spec)
@@ -98,36 +95,40 @@ class Runner:
     def _launch_probe(self, test_id: str, probe: Spec, nproc: int) -> SizeRun:
         return self._launch(test_id, probe, nproc, self.launches.plan(probe, nproc, f"{test_id} (floor)"))
 
-    def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> None:
-        """Launch ``sizes`` again with torch's allocator history on and take their GPU peak sites.
+    def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> TestRun:
+        """``test`` with the GPU peak sites of ``sizes``, from a relaunch with torch's allocator
+        history on.
 
         The history costs little while a job runs, but its first reading imports torch's compiler
         stack (~1 s a rank on an H200 for a job that has not), so by default it is not recorded in
         a passing run: a failing GPU size is relaunched once with it, and the failure names the
         relaunch and its figure beside the sites. Sizes that already have sites are left alone.
         """
-        for run in test.runs:
-            result = run.result
-            if result.world_size not in sizes or result.device != "gpu" or result.sites or result.predicted:
-                continue
-            spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
-            processes = self.launches.processes(result.world_size, result.simulated)
-            plan = self.launches.plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
-            if plan.skip_reason is not None:
-                continue
-            again = self._launch(test.test_id, spec, result.world_size, plan, history=True,
-                                 simulated=result.simulated)
-            rank = result.gated_rank(test.spec.rank)
-            found = again.result.sites.get(rank) if rank is not None else None
-            if again.problems or rank is None or not found:
-                run.notes.append(f"the relaunch of nproc={result.world_size} for its peak sites gave none"
-                                 + (f": {again.problems[0].splitlines()[0]}" if again.problems else ""))
-                continue
-            mib = again.result.read(test.spec.rank, "allocated")[1]
-            figure = "" if mib is None else f"; its allocator figure {mib:.1f} MiB"
-            run.result = replace(result, sites={**result.sites, rank: found}, sites_notes=result.sites_notes + (
-                f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
-                f"{figure} (--gpumem-sites=on records it in every launch)",))
+        return replace(test, runs=[self._with_sites(test, run) if run.result.world_size in sizes else run
+                                   for run in test.runs])
+
+    def _with_sites(self, test: TestRun, run: SizeRun) -> SizeRun:
+        result = run.result
+        if result.device != "gpu" or result.sites or result.predicted:
+            return run
+        spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
+        processes = self.launches.processes(result.world_size, result.simulated)
+        plan = self.launches.plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
+        if plan.skip_reason is not None:
+            return run
+        again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated)
+        rank = result.gated_rank(test.spec.rank)
+        found = again.result.sites.get(rank) if rank is not None else None
+        if again.problems or rank is None or not found:
+            why = f": {again.problems[0].splitlines()[0]}" if again.problems else ""
+            return replace(run, notes=[*run.notes, f"the relaunch of nproc={result.world_size} for its peak sites "
+                                                   f"gave none{why}"])
+        mib = again.result.read(test.spec.rank, "allocated")[1]
+        figure = "" if mib is None else f"; its allocator figure {mib:.1f} MiB"
+        note = (f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
+                f"{figure} (--gpumem-sites=on records it in every launch)")
+        return replace(run, result=replace(result, sites={**result.sites, rank: found},
+                                           sites_notes=(*result.sites_notes, note)))
 
     def simulate(self, test_id: str, spec: Spec, world_size: int, ranks: tuple[int, ...], gpus: int | None,
                  fake: bool = False) -> SizeRun:

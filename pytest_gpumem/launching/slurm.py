@@ -33,7 +33,7 @@ from ..rankside import protocol
 from ..rankside.slurm_env import expand_hostlist, format_addresses
 from ..rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 from .gpus import GpuPlan
-from .launch import _STACK_DUMP_WAIT_S, Launch, LaunchRequest, LaunchResult, _user_frames
+from .launch import STACK_DUMP_WAIT_S, Exits, Launch, LaunchRequest, read_stacks
 from .launcher import LauncherOptions
 from .ports import PortLease
 
@@ -154,21 +154,18 @@ class SrunLaunch(Launch):
             return True
         return any(code not in (None, 0) for code in self._task_codes().values())
 
-    def _ended_ranks(self, result: LaunchResult, codes: list[int | None]) -> set[int]:
+    def _ended_ranks(self, codes: list[int | None]) -> set[int]:
         """The tasks that ended: their shim wrote the exit status (the PIDs are on other hosts)."""
         return {rank for rank, code in self._task_codes().items() if code is not None}
 
-    def _dump_stacks(self, result: LaunchResult) -> None:
+    def _dump_stacks(self) -> dict[int, str]:
         """Every rank's Python stacks before a hung step is cancelled (faulthandler on SIGUSR1)."""
         step = self._step_id()
         if step is None:
-            return
+            return {}
         _run(["scancel", "--signal=USR1", step])
-        time.sleep(_STACK_DUMP_WAIT_S)
-        for rank in range(self.request.nproc):
-            text = protocol.read_tail(self.request.workdir, rank, "stack")
-            if text.strip():
-                result.stacks[rank] = _user_frames(text)
+        time.sleep(STACK_DUMP_WAIT_S)
+        return read_stacks(self.request.workdir, range(self.request.nproc))
 
     def _cleanup(self) -> list[int]:
         """scancel the step (SIGTERM, then SIGKILL), then end srun here; report a step Slurm
@@ -183,20 +180,21 @@ class SrunLaunch(Launch):
         others. (A local scan here would also hide a step that scancel failed to end.)"""
         return []
 
-    def _collect_exit_codes(self, result: LaunchResult) -> None:
-        super()._collect_exit_codes(result)
+    def _exit_codes(self, timed_out: bool) -> Exits:
+        """Each task's exit code and node, as its shim wrote them (or srun's output said), and what
+        went wrong with the step itself."""
+        launcher_returncode = super()._exit_codes(timed_out).launcher_returncode
         tasks = self._tasks()
-        result.returncodes = {rank: t["returncode"] for rank, t in tasks.items() if t.get("returncode") is not None}
-        result.nodes = {rank: str(t["node"]) for rank, t in tasks.items() if t.get("node")}
-        result.problems.extend(self._problems)
         lines = srun_lines(self.request.workdir / "launcher.log")
+        nodes = {rank: str(t["node"]) for rank, t in tasks.items() if t.get("node")}
         for fields in lines:
             if isinstance(fields.get("rank"), int) and fields.get("node"):
-                result.nodes.setdefault(fields["rank"], str(fields["node"]))
-        result.problems.extend(not_shared_problems(lines, self.request.workdir))
-        if not tasks and result.launcher_returncode not in (None, 0) and not result.timed_out \
-                and not result.problems:
-            result.problems.append("no rank of the step started (srun's own output is below)")
+                nodes.setdefault(fields["rank"], str(fields["node"]))
+        problems = [*self._problems, *not_shared_problems(lines, self.request.workdir)]
+        if not tasks and launcher_returncode not in (None, 0) and not timed_out and not problems:
+            problems.append("no rank of the step started (srun's own output is below)")
+        codes = {rank: t["returncode"] for rank, t in tasks.items() if t.get("returncode") is not None}
+        return Exits(returncodes=codes, launcher_returncode=launcher_returncode, nodes=nodes, problems=tuple(problems))
 
     # --- Slurm ---------------------------------------------------------------------------------
     def _step_id(self) -> str | None:

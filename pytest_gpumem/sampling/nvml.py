@@ -107,22 +107,26 @@ class _ProcessLister:
     def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
         # Unversioned = v3 in current nvidia-ml-py (v1 in very old ones); v3 needs driver >= 510.39.
-        self._compute: list[Any] = ["nvmlDeviceGetComputeRunningProcesses",
-                                    "nvmlDeviceGetComputeRunningProcesses_v2", _compute_processes_v1]
-        self._mps: list[Any] = ["nvmlDeviceGetMPSComputeRunningProcesses",  # MPS clients: only here
-                                "nvmlDeviceGetMPSComputeRunningProcesses_v2"]
+        self._candidates: dict[str, list[Any]] = {
+            "compute": ["nvmlDeviceGetComputeRunningProcesses",
+                        "nvmlDeviceGetComputeRunningProcesses_v2", _compute_processes_v1],
+            "mps": ["nvmlDeviceGetMPSComputeRunningProcesses",  # MPS clients: only here
+                    "nvmlDeviceGetMPSComputeRunningProcesses_v2"],
+        }
 
     def __call__(self, handle: Any) -> list[Any] | None:
         """Processes on the GPU, or None when this driver/binding has no process list at all."""
-        procs = self._first_working(self._compute, handle)
+        procs = self._first_working("compute", handle)
         if procs is not None:
             try:
-                procs += self._first_working(self._mps, handle) or []
+                procs += self._first_working("mps", handle) or []
             except _nvml_errors(self._nvml):
                 pass  # MPS clients are a bonus: keep this tick's compute list
         return procs
 
-    def _first_working(self, candidates: list[Any], handle: Any) -> list[Any] | None:
+    def _first_working(self, kind: str, handle: Any) -> list[Any] | None:
+        """The processes from the first of ``kind``'s calls this binding has; those it lacks are dropped."""
+        candidates = self._candidates[kind]
         while candidates:
             fn = candidates[0]
             try:
@@ -274,6 +278,12 @@ class _Gpu:
     procs: list[tuple[int, int | None]] = field(default_factory=list)  # last process list read
     listed_used: float | None = None  # device ``used`` when it was read
     listed_at: float = -math.inf
+
+    def lose(self, exc: BaseException) -> str:
+        """Stop sampling this GPU (it fell off the bus); what the report says about it."""
+        self.lost = True
+        return (f"GPU {self.device.index} ({self.device.uuid}) was lost mid-run ({exc}); "
+                "its ranks keep only what was recorded before")
 
 
 class NvmlSampler:
@@ -440,7 +450,7 @@ class NvmlSampler:
                                "which includes the driver's reservation")
             return nvml.nvmlDeviceGetMemoryInfo(gpu.handle).used / MiB
         except _err(nvml, "NVMLError_GpuIsLost") as exc:
-            self._lose(gpu, exc)
+            self._note(gpu.lose(exc))
         except _nvml_errors(nvml) as exc:
             self._note(f"GPU {gpu.device.index}: device memory not available: {exc}")
         return None
@@ -451,7 +461,7 @@ class NvmlSampler:
         try:
             procs = self._lister(gpu.handle)
         except _err(self._nvml, "NVMLError_GpuIsLost") as exc:
-            self._lose(gpu, exc)
+            self._note(gpu.lose(exc))
             return []
         except _nvml_errors(self._nvml) as exc:
             self._note(f"GPU {gpu.device.index}: process list not available: {exc}")
@@ -479,7 +489,7 @@ class NvmlSampler:
                 except _err(nvml, "NVMLError_NotFound"):
                     continue  # this pid never ran on this GPU
                 except _err(nvml, "NVMLError_GpuIsLost") as exc:
-                    self._lose(gpu, exc)
+                    self._note(gpu.lose(exc))
                     continue
                 except _nvml_errors(nvml) as exc:
                     self._note(f"GPU {gpu.device.index}: accounting stats not available: {exc}")
@@ -512,11 +522,6 @@ class NvmlSampler:
         if gpu.idle is None or gpu.max_used is None or gpu.max_used <= gpu.idle:
             return None
         return gpu.max_used - gpu.idle
-
-    def _lose(self, gpu: _Gpu, exc: BaseException) -> None:
-        gpu.lost = True
-        self._note(f"GPU {gpu.device.index} ({gpu.device.uuid}) was lost mid-run ({exc}); "
-                   "its ranks keep only what was recorded before")
 
     def _note(self, message: str) -> None:
         with self._lock:

@@ -19,11 +19,10 @@ class DirectLaunch(Launch):
     def _command(self, port: int) -> list[str]:
         return [sys.executable, *rank_target(self.request)]
 
-    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int, result: LaunchResult) -> None:
+    def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int) -> tuple[str, str | None]:
         req = self.request
-        if req.start == "fork":
-            result.start_refusal = forking.refusal(env)
-            result.start = "exec" if result.start_refusal else "fork"
+        refusal = forking.refusal(env) if req.start == "fork" else None
+        start = "fork" if req.start == "fork" and refusal is None else "exec"
         # Each rank writes into its own log from its first byte: a rank that dies before
         # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
         for rank in range(req.nproc):
@@ -31,10 +30,11 @@ class DirectLaunch(Launch):
             if req.simulated:
                 rank_env.update(simulated_env(rank, req))
             log = protocol.rank_file(req.workdir, rank, "log")
-            if result.start == "fork":
+            if start == "fork":
                 self._fork(rank_env, log)
             else:
                 self._spawn(command, rank_env, log)
+        return start, refusal
 
 
 @register
