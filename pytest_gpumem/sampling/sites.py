@@ -40,7 +40,9 @@ CALLERS = 3  # user frames kept above a site's line: the caller that keeps the m
 
 # Wrappers every framework call goes through: the detail names the call behind them.
 _GENERIC = frozenset({"wrapper", "_wrapped_call_impl", "_call_impl", "inner", "decorate_context", "__call__",
-                      "<lambda>", "_fn", "wrapped", "decorator", "<module>", "<listcomp>", "<genexpr>"})
+                      "<lambda>", "_fn", "wrapped", "decorator", "<module>", "<listcomp>", "<genexpr>",
+                      # a mode that intercepts the call (the simulated world's, DTensor's), not the call
+                      "__torch_function__", "__torch_dispatch__"})
 _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
 
 
@@ -88,9 +90,19 @@ class Site:
 
 
 @lru_cache(maxsize=1)
+def _plugin_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+@lru_cache(maxsize=4096)
+def _is_plugin(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_plugin_root() + os.sep)
+
+
+@lru_cache(maxsize=1)
 def _internal_roots() -> tuple[str, ...]:
     """Folders whose code is not the user's: the standard library, site-packages, this plugin."""
-    roots = {str(Path(__file__).resolve().parents[1])}  # pytest_gpumem itself
+    roots = {_plugin_root()}  # pytest_gpumem itself
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -131,7 +143,8 @@ def fold(stack: Sequence[Frame], root: Path | None = None, thread: str = "") -> 
     for i, (function, filename, line) in enumerate(stack):
         if is_internal(filename):
             continue
-        called = [f for f, _, _ in reversed(stack[:i]) if f not in _GENERIC]  # outermost first
+        # outermost first; the plugin's own frames (its stand-ins' modes) are not the call the user made
+        called = [f for f, file, _ in reversed(stack[:i]) if f not in _GENERIC and not _is_plugin(file)]
         above = i + 1
         if function in _COMPREHENSIONS and i + 1 < len(stack) and stack[i + 1][1] == filename:
             function = stack[i + 1][0]  # Python < 3.12 gives a comprehension its own frame

@@ -30,6 +30,16 @@ def test_a_stack_folds_to_its_innermost_user_frame_with_the_framework_call_under
     assert not site.internal
 
 
+def test_a_call_intercepted_by_a_mode_is_not_named_after_the_mode():
+    """Megatron's gathered gradients on a simulated rank read "(__torch_function__)": the stand-in's mode
+    caught ``torch.empty``, a builtin with no frame of its own. Neither a mode nor the plugin is the call."""
+    plugin = str(Path(fold.__code__.co_filename).resolve().parents[1] / "rankside" / "received.py")
+    stack = [("__torch_function__", plugin, 201), ("megatron_job", "/proj/test_megatron.py", 51)]
+    assert fold(stack, ROOT) == Site("test_megatron.py:51", "megatron_job", "")
+    dtensor = [("__torch_dispatch__", TORCH, 10), ("redistribute", TORCH, 20), ("step", "/proj/t.py", 5)]
+    assert fold(dtensor, ROOT).detail == "redistribute"
+
+
 def test_a_comprehension_frame_is_named_after_the_function_around_it():
     stack = [("<listcomp>", "/proj/job.py", 7), ("small", "/proj/job.py", 7)]
     assert fold(stack, ROOT) == Site("job.py:7", "small", "")
