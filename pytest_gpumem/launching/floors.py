@@ -44,15 +44,15 @@ class Floors:
         probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
                         args=(framework, result.device), device=result.device, nproc=(result.world_size,))
         key = (framework, probe.launch_key(), result.world_size)
-        notes: list[str] = []
-        if key not in self._found:
+        looked_up = key not in self._found
+        if looked_up:
             self._found[key] = self._floor(test.test_id, probe, framework, run)
-            notes = self._found[key][1]  # said once, on the run that looked it up
-        floor = self._found[key][0]
+        floor, found_notes = self._found[key]
+        notes = [*run.notes, *(found_notes if looked_up else [])]  # said once, on the run that looked it up
         if floor is None:
-            notes = [*notes, f"the {framework} floor at nproc={result.world_size} could not be measured"]
-            return replace(run, notes=[*run.notes, *notes])
-        return replace(run, result=replace(result, floor=floor), notes=[*run.notes, *notes])
+            missing = f"the {framework} floor at nproc={result.world_size} could not be measured"
+            return replace(run, notes=[*notes, missing])
+        return replace(run, result=replace(result, floor=floor), notes=notes)
 
     def _floor(self, test_id: str, probe: Spec, framework: str, run: SizeRun) -> tuple[FloorResult | None, list[str]]:
         """(the floor, notes): the cached one unless refreshing; otherwise launched, then cached."""

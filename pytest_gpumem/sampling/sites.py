@@ -94,9 +94,13 @@ def _plugin_root() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
+def _under(real: str, root: str) -> bool:
+    return real == root or real.startswith(root + os.sep)
+
+
 @lru_cache(maxsize=4096)
 def _is_plugin(filename: str) -> bool:
-    return os.path.realpath(filename).startswith(_plugin_root() + os.sep)
+    return _under(os.path.realpath(filename), _plugin_root())
 
 
 @lru_cache(maxsize=1)
@@ -118,7 +122,7 @@ def is_internal(filename: str) -> bool:
     if "/site-packages/" in filename or "/dist-packages/" in filename:
         return True
     real = os.path.realpath(filename)
-    return any(real == root or real.startswith(root + os.sep) for root in _internal_roots())
+    return any(_under(real, root) for root in _internal_roots())
 
 
 @lru_cache(maxsize=4096)
