@@ -134,6 +134,9 @@ gpu-wheels: $(TO)/.ready
 	# Megatron-Core (tests/test_gpu.py -k megatron): its wheel is built per Python; it needs torch, numpy, packaging.
 	$(TO)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d .whl megatron-core==$(MEGATRON)
+	# torchtitan and what its import needs beyond the machine's image (tests/frameworks-gpu.txt).
+	$(TO)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl -r tests/frameworks-gpu.txt
 
 test-gpu:
 	GPUMEM_FORBID_SKIPS=1 $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m gpu -v -rsP tests/test_gpu.py tests/test_gpu_reruns.py

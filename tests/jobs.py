@@ -563,7 +563,7 @@ import pytest
 TP, PP = 2, 2
 
 
-def megatron_job(gather=False, steps=2, microbatches=4, layers=8, hidden=2048, heads=16):
+def megatron_job(gather=False, steps=2, microbatches=4, layers=8, hidden=2048, heads=16, tp=TP, pp=PP):
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -574,12 +574,12 @@ def megatron_job(gather=False, steps=2, microbatches=4, layers=8, hidden=2048, h
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                pipeline_dtype=torch.float32,
-                               params_dtype=torch.float32, tensor_model_parallel_size=TP,
-                               pipeline_model_parallel_size=PP)
+                               params_dtype=torch.float32, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32768,
                      max_sequence_length=1024, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage()).cuda()
@@ -612,4 +612,66 @@ def megatron_job(gather=False, steps=2, microbatches=4, layers=8, hidden=2048, h
     torch.cuda.synchronize()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+'''
+
+
+# torchtitan's Llama 3 (torchtitan 0.2.2, the release that runs on the GPU machine's torch 2.11; 0.3.0
+# imports torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks), built torchtitan's way: on meta,
+# parallelize_llama (TP with sequence parallel on "tp", FSDP2 on "dp_shard", bf16 parameters), then
+# to_empty and init_weights. The loss is computed under loss_parallel, as torchtitan's trainer does; the
+# regression is one config flag, parallelism.disable_loss_parallel: the output projection then returns
+# its logits replicated on every TP rank instead of sharded over the vocabulary. Needs CUDA: torchtitan's
+# import needs triton, and its FSDP2 (gradient_divide_factor=1.0) reduce-scatters with PREMUL_SUM,
+# which gloo refuses.
+TORCH_TITAN = '''
+import contextlib
+import dataclasses
+import datetime
+import os
+
+import pytest
+
+LOSS_PARALLEL = os.environ.get("TITAN_LOSS_PARALLEL", "1") == "1"
+
+
+def titan_job(tp=2, loss_parallel=LOSS_PARALLEL, steps=2, dim=2048, layers=8, heads=16, vocab=32768,
+              seq=2048, batch=4):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel as sharded_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import Transformer, llama3_args, parallelize_llama
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+    job = JobConfig()
+    job.parallelism.tensor_parallel_degree = tp
+    job.parallelism.disable_loss_parallel = not loss_parallel
+    job.training.seq_len, job.training.local_batch_size = seq, batch
+    job.activation_checkpoint.mode = "none"
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1, etp=1,
+                        world_size=dist.get_world_size())
+    dims.build_mesh()
+    args = dataclasses.replace(llama3_args["debugmodel"], dim=dim, n_layers=layers, n_heads=heads,
+                               vocab_size=vocab)
+    args.update_from_config(job)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallelize_llama(model, dims, job)
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cuda"))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
+    for _ in range(steps):
+        logits = model(tokens)
+        with sharded_loss() if tp > 1 and loss_parallel else contextlib.nullcontext():
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
 '''

@@ -751,6 +751,62 @@ def test_deepspeed_zero3_to_zero1_fails_its_baseline_at_8_naming_the_config_chan
     assert lines[headline + 1].endswith("config.zero_stage: 3 -> 1"), lines[headline:headline + 2]
 
 
+
+# torchtitan's Llama 3 (tests/jobs.py TORCH_TITAN, 0.54 B parameters, bf16 FSDP2 x TP=2): gated 2 -> 8
+# against reference=2, both simulated on one GPU; torchtitan's FSDP2 alone (tp=1) real at nproc=1.
+TITAN_TESTS = '''
+@pytest.mark.gpumem(nproc=[2, 8], device="gpu", reference=2, max_ratio=1.0,
+                    config={"loss_parallel": LOSS_PARALLEL})
+def test_titan_tp2():
+    titan_job()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.0)
+def test_titan_fsdp():
+    titan_job(tp=1)
+'''
+
+
+@needs_gpu
+def test_torchtitan_fsdp2_tp2_holds_2_to_8_and_replicated_logits_fail_its_baseline_naming_the_flag(
+        pytester, launch_tag, monkeypatch):
+    """FSDP2 x TP: dp 1 -> 4 shards the parameters, gradients and optimizer state, so rank 0's allocator
+    figure falls 2 -> 8 and no nproc=1 is launched. parallelism.disable_loss_parallel replicates the
+    logits (batch x seq x vocab) on both TP ranks: it fails the baseline at 2 and 8, the headline naming
+    the config change."""
+    pytest.importorskip("torchtitan")
+    from jobs import TORCH_TITAN
+
+    pytester.makepyfile(test_titan=TORCH_TITAN + TITAN_TESTS)
+
+    def run(loss_parallel: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+        monkeypatch.setenv("TITAN_LOSS_PARALLEL", loss_parallel)
+        report = pytester.path / f"titan{loss_parallel}.json"
+        result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", f"--gpumem-report={report}",
+                                               *args, timeout=900)
+        print(result.stdout.str())
+        records = {rec["test"].split("::")[-1]: rec for rec in json.loads(report.read_text())["tests"]}
+        for name, rec in records.items():
+            print(name, rec["status"], [(s["nproc"], s["gated_mib"], s["allocated_mib"], s["ratio"], s["simulated"])
+                                        for s in rec["sizes"]])
+        return result, records
+
+    first, healthy = run("1", "--gpumem-refresh")
+    first.assert_outcomes(passed=2)
+    tp2, fsdp = healthy["test_titan_tp2"], healthy["test_titan_fsdp"]
+    assert [s["nproc"] for s in tp2["sizes"]] == [2, 8]  # no nproc=1 launch
+    assert _size(tp2, 8)["allocated_mib"] < _size(tp2, 2)["allocated_mib"]
+    assert not _size(fsdp, 1)["simulated"] and _size(fsdp, 8)["simulated"]
+    assert _size(fsdp, 8)["allocated_mib"] < _size(fsdp, 2)["allocated_mib"] < _size(fsdp, 1)["allocated_mib"]
+    replicated, twin = run("0", "-k", "tp2")
+    replicated.assert_outcomes(failed=1)
+    failed = [s["nproc"] for s in twin["test_titan_tp2"]["sizes"] if any(not c["ok"] for c in s["checks"])]
+    assert failed == [2, 8], failed
+    lines = replicated.stdout.lines
+    headline = next(i for i, line in enumerate(lines) if line.startswith("gpumem: "))
+    assert lines[headline + 1].endswith("config.loss_parallel: True -> False"), lines[headline:headline + 2]
+
+
 # Megatron-Core GPT at TP=2 x PP=2 (tests/jobs.py TORCH_MEGATRON): world 4 is one model, 8 two
 # replicas, both simulated on one GPU, every rank measured in turn (rank="all"), the ratio against
 # reference=4: nothing smaller is launched.
@@ -796,6 +852,31 @@ def test_megatron_tp2_pp2_holds_its_ratio_from_4_to_8_and_a_gradient_gather_over
         "*peak sites of rank * (largest) at nproc=8 that grew since rank * (largest) at nproc=4:*",
         "*MiB  test_megatron.py:* megatron_job*"])
     assert "(__torch_function__)" not in result.stdout.str()  # the stand-in's mode is not the call
+
+
+
+# The same GPT data parallel only (TP=1, PP=1): nproc=1 real, 2 and 8 simulated, for the table of real and
+# simulated figures (benchmarks/results/gpu_megatron.txt); the job reduces no gradients (no DDP wrapper), so
+# its allocator figure is the same at each size.
+MEGATRON_DP = '''
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.05)
+def test_megatron_dp():
+    megatron_job(tp=1, pp=1)
+'''
+
+
+@needs_gpu
+def test_megatron_data_parallel_runs_real_at_1_and_simulated_at_2_and_8_within_its_ratio(pytester, launch_tag):
+    pytest.importorskip("megatron.core")
+    from jobs import TORCH_MEGATRON
+
+    result, records = _run_job(pytester, "test_megatron_dp", TORCH_MEGATRON + MEGATRON_DP)
+    rec = records["test_megatron_dp"]
+    for size in rec["sizes"]:
+        print(f"megatron dp nproc={size['nproc']}: device {size['gated_mib']} MiB, allocated "
+              f"{size['allocated_mib']} MiB, ratio {size['ratio']}, simulated {size['simulated']}")
+    assert rec["status"] == "passed", rec["messages"]
+    assert not _size(rec, 1)["simulated"] and _size(rec, 2)["simulated"] and _size(rec, 8)["simulated"]
 
 
 # Ranks of more than an eighth of the GPU each: world 8 does not fit on it at once, so its simulated
