@@ -8,6 +8,7 @@ GPU machine are in benchmarks/results/test_gpu.txt.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -31,6 +32,14 @@ def _gpus() -> int:
 
 GPUS = _gpus()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU that torch can use (make test-gpu there)")
+
+
+def needs_framework(name: str) -> None:
+    """Skip unless ``name`` is installed, without importing it here: pytester drops the modules a test
+    imported when it ends, and torch's operator registry refuses a second import of
+    torch.distributed._functional_collectives (torchtitan and Megatron-Core both import it)."""
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"needs {name} (make gpu-wheels carries it to the GPU machine)")
 
 # What the rank itself reads from NVML for its own PID while it holds its memory: the figure the
 # plugin's parent-side (or in-rank) sampler must reproduce.
@@ -723,7 +732,7 @@ def test_zero():
 def test_deepspeed_zero3_to_zero1_fails_its_baseline_at_8_naming_the_config_change(pytester, launch_tag, monkeypatch):
     """nproc=1 real, 2 and 8 simulated: ZeRO-3's allocator figure falls with the world; ZeRO-1 keeps
     the whole model and its gradients on every rank and fails ZeRO-3's baseline at 8."""
-    pytest.importorskip("deepspeed")
+    needs_framework("deepspeed")
     from jobs import TORCH_ZERO
 
     pytester.makepyfile(test_zero=TORCH_ZERO + ZERO_TESTS)
@@ -774,7 +783,7 @@ def test_torchtitan_fsdp2_tp2_holds_2_to_8_and_replicated_logits_fail_its_baseli
     figure falls 2 -> 8 and no nproc=1 is launched. parallelism.disable_loss_parallel replicates the
     logits (batch x seq x vocab) on both TP ranks: it fails the baseline at 2 and 8, the headline naming
     the config change."""
-    pytest.importorskip("torchtitan")
+    needs_framework("torchtitan")
     from jobs import TORCH_TITAN
 
     pytester.makepyfile(test_titan=TORCH_TITAN + TITAN_TESTS)
@@ -827,7 +836,7 @@ def test_megatron_tp2_pp2_holds_its_ratio_from_4_to_8_and_a_gradient_gather_over
     """The largest rank is found, not assumed: the first pipeline stage (embedding, more microbatches
     in flight under 1F1B). Healthy, its allocator figure is the same at 4 and 8 (dp 1 -> 2 shards
     nothing here: no distributed optimizer); keeping every dp rank's gradients grows it (1.07x)."""
-    pytest.importorskip("megatron.core")
+    needs_framework("megatron.core")
     from jobs import TORCH_MEGATRON
 
     result, records = _run_job(pytester, "test_megatron", TORCH_MEGATRON + MEGATRON_TESTS)
@@ -867,7 +876,7 @@ def test_megatron_dp():
 
 @needs_gpu
 def test_megatron_data_parallel_runs_real_at_1_and_simulated_at_2_and_8_within_its_ratio(pytester, launch_tag):
-    pytest.importorskip("megatron.core")
+    needs_framework("megatron.core")
     from jobs import TORCH_MEGATRON
 
     result, records = _run_job(pytester, "test_megatron_dp", TORCH_MEGATRON + MEGATRON_DP)
@@ -892,7 +901,7 @@ def test_megatron_large():
 def test_megatron_rank_all_at_8_measures_ranks_over_an_eighth_of_the_gpu_one_at_a_time(pytester, launch_tag):
     """Issue 35: rank="all" at world 8 of a job whose every rank takes over 1/8 of the GPU runs on one
     GPU (eight launches, one after another) and names the largest rank, a first-stage one."""
-    pytest.importorskip("megatron.core")
+    needs_framework("megatron.core")
     import torch
     from jobs import TORCH_MEGATRON
 
