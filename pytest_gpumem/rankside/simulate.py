@@ -20,6 +20,11 @@ What the fake group alone gets wrong, mended here:
   learn undeclared shapes from their neighbours: the vote is answered as if every stage voted as this
   one (stages taken as alike in that), and receiving a neighbour's shapes stops the rank with what to
   declare instead.
+- A real backend's send work owns the tensor it sends until the work is dropped (gloo's send work
+  holds it; NCCL's stashes it for the allocator); the fake group's owns nothing. A pipeline schedule
+  keeps a step's send works until the step ends, so its gradients sent back stayed live in the real
+  world and not here (GPipe at 8 stages: 7.6 MiB under real gloo). Here a send's work holds its
+  tensor for as long as the work lives.
 - OneFlow has no such group: a simulated rank that imports it stops with a message.
 """
 
@@ -29,6 +34,7 @@ import functools
 import importlib.abc
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -114,6 +120,7 @@ def _patch_torch(torch: ModuleType, where: World) -> None:
     c10d.rendezvous = rendezvous
     c10d._new_process_group_helper = new_group  # type: ignore[assignment]  # noqa: SLF001
     _patch_ddp(torch)
+    _patch_sends(dist, c10d)
     _patch_object_collectives(dist, c10d, where)
     received.follow_received(torch, dist, c10d, where, _note)
     after_import("torch.distributed.pipelining.stage", lambda stage: _patch_pipeline_vote(torch, stage, where))
@@ -147,6 +154,25 @@ def _patch_ddp(torch: ModuleType) -> None:
     ddp.__init__ = __init__
     ddp.register_comm_hook = register_comm_hook
     ddp._register_builtin_comm_hook = builtin_hook  # noqa: SLF001
+
+
+def _patch_sends(dist: ModuleType, c10d: ModuleType) -> None:
+    """``isend``'s work holds its tensor while it lives, as gloo's and NCCL's do."""
+    original = c10d.isend
+
+    @functools.wraps(original)
+    def isend(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        work = original(tensor, *args, **kwargs)
+        if work is not None:  # None: a rank outside the group, or inside a coalescing manager
+            weakref.finalize(work, _held, tensor)
+        return work
+
+    for module in (c10d, dist):  # P2POp accepts what c10d's global is
+        setattr(module, "isend", isend)
+
+
+def _held(tensor: Any) -> None:
+    """The tensor a send's work held, released with the work."""
 
 
 def _patch_object_collectives(dist: ModuleType, c10d: ModuleType, where: World) -> None:
