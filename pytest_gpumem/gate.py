@@ -112,7 +112,8 @@ class Gate:
             tolerances = {n: self._tolerance(test, n, e) for n, e in stored.items()}
             notes += dict.fromkeys(note for _, note in tolerances.values() if note)  # each said once
             refs = {n: BaselineRef(e.gated_mib, tolerances[n][0], e.allocated_mib,
-                                   spec.allocated_tolerance.resolve(exact=True)) for n, e in stored.items()}
+                                   spec.allocated_tolerance.resolve(exact=True), e.ranks, e.allocated_ranks)
+                    for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:
                 try:
@@ -272,6 +273,7 @@ class Gate:
             _, allocated, figure = result.read(spec.rank, ALLOCATED)
             reserved = result.allocated.get(rank) if rank is not None else None
             sites = growth_mod.stored_sites(result.sites.get(rank, ())) if rank is not None else []
+            every = spec.rank == "all"  # each rank is judged against its own figure: keep them all
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
@@ -282,6 +284,9 @@ class Gate:
                 allocated_mib=allocated if figure == ALLOCATED else None,
                 reserved_mib=reserved.reserved_mib if reserved is not None else None,
                 sites=tuple(sites),
+                allocated_ranks={r: a.mib for r, a in result.allocated.items()} if every else {},
+                rank_sites={r: tuple(growth_mod.stored_sites(found)) for r, found in result.sites.items()
+                            if r != rank and found} if every else {},
             )
         changes: dict[int, tuple[Entry | None, Entry]] = {}
         for platform, entries in by_platform.items():
@@ -291,7 +296,13 @@ class Gate:
 
 def _steady_sites(old: Entry, new: Entry) -> Entry:
     """A refresh of an unchanged test rewrites no stored site (sizes within noise keep their value)."""
-    return replace(new, sites=tuple(growth_mod.steady(old.sites, new.sites))) if old.sites else new
+    def steady(rank: int, sites: tuple[dict, ...]) -> tuple[dict, ...]:
+        before = old.sites_of(rank)
+        return tuple(growth_mod.steady(before, sites)) if before else sites
+
+    gated = new.gated_rank
+    return replace(new, sites=new.sites if gated is None else steady(gated, new.sites),
+                   rank_sites={r: steady(r, sites) for r, sites in new.rank_sites.items()})
 
 
 def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
@@ -318,12 +329,16 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
         return None
     size = next((n for n in failing if n in by_size), max(by_size))  # a predicted failure: the largest launched
     result = by_size[size]
+    kinds = {c.kind for c in verdict.failures if c.world_size == size}
+    entry = stored.get(size)
+    if test.spec.rank == "all" and "baseline" in kinds and entry is not None:
+        own = _most_grown_rank(result, entry)
+        if own is not None:
+            return own
     rank = result.gated_rank(test.spec.rank)
     new = result.sites.get(rank) if rank is not None else None
     if not new:
         return None
-    kinds = {c.kind for c in verdict.failures if c.world_size == size}
-    entry = stored.get(size)
     ref = test.spec.reference
     one = by_size.get(ref)
     if "baseline" in kinds and entry is not None and entry.sites:
@@ -338,10 +353,31 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
     return None
 
 
-def _against_baseline(entry: Entry, new: tuple) -> growth_mod.Growth:
-    old = from_dicts(entry.sites)
+def _against_baseline(entry: Entry, new: tuple, rank: int | None = None) -> growth_mod.Growth:
+    old = from_dicts(entry.sites if rank is None else entry.sites_of(rank))
     complete = sum(not s.internal for s in old) < growth_mod.STORED  # else smaller sites were cut
-    return growth_mod.site_growth(old, new, "the baseline", old_complete=complete)
+    if rank is None:
+        return growth_mod.site_growth(old, new, "the baseline", old_complete=complete)
+    growth = growth_mod.site_growth(old, new, f"the baseline of rank {rank}", old_complete=complete)
+    return replace(growth, of=f"rank {rank}")
+
+
+def _most_grown_rank(result: SizeResult, entry: Entry) -> growth_mod.Growth | None:
+    """Under rank="all", the sites of the rank that grew most over its own stored figure (the
+    allocator's where both have it), against its own stored sites: a middle pipeline stage's line,
+    not the largest rank's."""
+    def growth(rank: int) -> float:
+        now, then = result.allocated.get(rank), entry.allocated_ranks.get(rank)
+        if now is not None and then is not None:
+            return now.mib - then
+        peak = result.peaks.get(rank)
+        return (peak.mib or 0.0) - entry.ranks[rank] if peak is not None and rank in entry.ranks else float("-inf")
+
+    ranks = [r for r in result.sites if result.sites[r] and entry.sites_of(r)]
+    if not ranks:
+        return None
+    rank = max(ranks, key=lambda r: (growth(r), -r))
+    return _against_baseline(entry, result.sites[rank], rank)
 
 
 def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],
@@ -352,7 +388,9 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     sites: list[str] = []
     if grown is not None and (grown.grown or grown.summary()):
         size = max((c.world_size for c in verdict.failures), default=0)
-        if test.spec.rank == "all":  # the largest rank, which may not be the reference's
+        if grown.of:  # rank="all": the rank that grew most over its own baseline
+            sites.append(f"  peak sites of {grown.of} at nproc={size} that grew since its baseline:")
+        elif test.spec.rank == "all":  # the largest rank, which may not be the reference's
             label = next((c.rank_label for c in verdict.failures if c.world_size == size), "the largest rank")
             sites.append(f"  peak sites of {label} at nproc={size} that grew since {grown.against}:")
         else:

@@ -413,6 +413,15 @@ def moe_job(router="balanced"):
 '''
 
 
+def moe_expert_lines() -> set[str]:
+    """``test_moe.py:N`` of TORCH_MOE's lines whose buffers the received tokens size, from the tokens
+    that arrive to the expert's backward: where a collapsed router's growth must be named."""
+    lines = TORCH_MOE.lstrip("\n").splitlines()
+    first = next(n for n, text in enumerate(lines, 1) if "arrived = " in text)
+    last = next(n for n, text in enumerate(lines, 1) if ".backward()" in text)
+    return {f"test_moe.py:{n}" for n in range(first, last + 1)}
+
+
 # A pipeline: LAYERS blocks split over the world's stages (PipelineStage with its shapes declared),
 # MICROBATCHES microbatches a step under 1F1B or GPipe; 0.25 MiB of activation per microbatch and
 # layer (x SCALE on a GPU). A stage after the first declares an input that requires grad: otherwise it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from jobs import TORCH_MOE
+from jobs import TORCH_MOE, moe_expert_lines
 
 # Imported before pytester's first snapshot of sys.modules (see test_reference.py).
 pytest.importorskip("torch")
@@ -46,6 +46,11 @@ def test_moe_routing_under_the_alike_assumption_reads_the_real_figure_and_a_coll
     assert sizes["test_balanced_simulated"]["ratio"] <= 1.1 < sizes["test_collapsed_simulated"]["ratio"]
     result.stdout.fnmatch_lines(["*simulated world: values received from other ranks (all_to_all_single) read at "
                                  "test_moe.py:*, taken as alike*"])
+    # The failure leads with the line whose buffer the received counts sized, grown since nproc=1.
+    lines = result.stdout.lines
+    heading = next(i for i, line in enumerate(lines) if line.startswith("gpumem: ") and "nproc=4" in line)
+    assert lines[heading + 1] == "  peak sites that grew since nproc=1 (rank 0, nproc=4):", lines[heading:heading + 3]
+    assert lines[heading + 2].split()[2] in moe_expert_lines(), lines[heading:heading + 3]
 
 
 @pytest.mark.torch

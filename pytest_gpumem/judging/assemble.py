@@ -37,7 +37,7 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
     for check in verdict.checks if verdict is not None else ():
         checks.setdefault(check.world_size, []).append(
             CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, check.text(digits),
-                        check.figure, check.advisory))
+                        check.figure, check.advisory, check.own))
     sizes = []
     for result in test.results:
         n = result.world_size

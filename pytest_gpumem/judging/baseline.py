@@ -15,20 +15,22 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..storage.atomic import write_atomic
 
-SCHEMA_VERSION = 2  # 2: optional allocator figures and peak sites per entry; host platforms by architecture
+# 2: optional allocator figures and peak sites per entry (under rank="all" every rank's); host
+# platforms by architecture
+SCHEMA_VERSION = 2
 READ_SCHEMAS = (2,)
 MAX_MIB = 2.0**40
 LOCK_NAME = ".gpumem.lock"
 LOCK_TIMEOUT_S = 300.0
 STALE_TEMP_S = 600.0  # a temp file this old was left by a writer that died mid-write
 _ENTRY_KEYS = ("device", "gated_mib", "method", "provenance", "rank", "ranks")
-_OPTIONAL_KEYS = ("allocated_mib", "reserved_mib", "sites")  # schema 2
+_OPTIONAL_KEYS = ("allocated_mib", "reserved_mib", "sites", "allocated_ranks", "rank_sites")  # schema 2
 _SITE_KEYS = ("where", "function", "detail", "mib", "count", "internal")
 _INT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # used with fullmatch: no "2\n"
 _MIB_RULE = "a finite number of MiB, 0 <= value < 2**40"
@@ -52,6 +54,21 @@ class Entry:
     allocated_mib: float | None = None  # GPU: the gated rank's allocator figure (torch max_memory_allocated)
     reserved_mib: float | None = None  # GPU: what the allocator reserved (information)
     sites: tuple[dict[str, Any], ...] = ()  # the gated rank's top sites live at its peak
+    # rank="all": each rank is compared with its own figure (stages are not alike), so every rank's
+    # allocator figure and the other ranks' sites are kept too.
+    allocated_ranks: Mapping[int, float] = field(default_factory=dict)
+    rank_sites: Mapping[int, tuple[dict[str, Any], ...]] = field(default_factory=dict)
+
+    @property
+    def gated_rank(self) -> int | None:
+        """The rank whose figure is ``gated_mib``: ``rank``, or for "all" the largest (the highest of equals)."""
+        if self.rank != "all":
+            return int(self.rank)
+        return max((mib, r) for r, mib in self.ranks.items())[1] if self.ranks else None
+
+    def sites_of(self, rank: int) -> tuple[dict[str, Any], ...]:
+        """The stored sites of one rank: the gated rank's, or under rank="all" another's."""
+        return self.sites if rank == self.gated_rank else tuple(self.rank_sites.get(rank, ()))
 
 
 class _Obj(dict[str, Any]):
@@ -136,18 +153,29 @@ def _check_entry(file: Path, where: str, e: Any, world_size: int, device: str) -
     rank = e["rank"]
     if rank != "all" and (type(rank) is not int or not 0 <= rank < world_size):
         raise _bad(file, f"{where}.rank", _got(rank), f"'all' or an integer rank 0..{world_size - 1}")
-    _check_obj(file, f"{where}.ranks", e["ranks"], None, "an object of rank -> MiB")
-    for key, mib in e["ranks"].items():
-        if not _INT_KEY.fullmatch(key) or int(key) >= world_size:
-            raise _bad(file, f"{where}.ranks[{key!r}]", "not a rank of this world size",
-                       f"rank keys '0'..'{world_size - 1}'")
-        _check_mib(file, f"{where}.ranks[{key!r}]", mib)
+    for field_name in ("ranks", "allocated_ranks"):
+        if field_name not in e:
+            continue
+        _check_obj(file, f"{where}.{field_name}", e[field_name], None, "an object of rank -> MiB")
+        for key, mib in e[field_name].items():
+            _check_rank_key(file, f"{where}.{field_name}[{key!r}]", key, world_size)
+            _check_mib(file, f"{where}.{field_name}[{key!r}]", mib)
+    if "rank_sites" in e:
+        _check_obj(file, f"{where}.rank_sites", e["rank_sites"], None, "an object of rank -> list of sites")
+        for key, sites in e["rank_sites"].items():
+            _check_rank_key(file, f"{where}.rank_sites[{key!r}]", key, world_size)
+            _check_sites(file, f"{where}.rank_sites[{key!r}]", sites)
     if not isinstance(e["method"], str) or not e["method"]:
         raise _bad(file, f"{where}.method", _got(e["method"]), "a non-empty string, e.g. 'high-water mark'")
     _check_obj(file, f"{where}.provenance", e["provenance"], None, "an object of string -> string")
     for key, value in e["provenance"].items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise _bad(file, f"{where}.provenance[{key!r}]", _got(value), "string keys and string values")
+
+
+def _check_rank_key(file: Path, where: str, key: str, world_size: int) -> None:
+    if not _INT_KEY.fullmatch(key) or int(key) >= world_size:
+        raise _bad(file, where, "not a rank of this world size", f"rank keys '0'..'{world_size - 1}'")
 
 
 def _check_sites(file: Path, where: str, sites: Any) -> None:
@@ -251,6 +279,12 @@ def _to_json(e: Entry) -> dict[str, Any]:
         out["reserved_mib"] = _round(e.reserved_mib)
     if e.sites:
         out["sites"] = [dict(site) for site in e.sites]
+    if e.allocated_ranks:
+        out["allocated_ranks"] = ({str(r): _round(v) for r, v in e.allocated_ranks.items()}
+                                  if isinstance(e.allocated_ranks, Mapping) else e.allocated_ranks)
+    if e.rank_sites:
+        out["rank_sites"] = ({str(r): [dict(site) for site in sites] for r, sites in e.rank_sites.items()}
+                             if isinstance(e.rank_sites, Mapping) else e.rank_sites)
     return out
 
 
@@ -260,7 +294,9 @@ def _from_json(raw: Mapping[str, Any]) -> Entry:
     allocated, reserved = raw.get("allocated_mib"), raw.get("reserved_mib")
     return Entry(float(raw["gated_mib"]), ranks, raw["rank"], raw["device"], raw["method"], prov,
                  None if allocated is None else float(allocated), None if reserved is None else float(reserved),
-                 tuple(dict(site) for site in raw.get("sites") or ()))
+                 tuple(dict(site) for site in raw.get("sites") or ()),
+                 {int(k): float(v) for k, v in (raw.get("allocated_ranks") or {}).items()},
+                 {int(k): tuple(dict(site) for site in v) for k, v in (raw.get("rank_sites") or {}).items()})
 
 
 class BaselineStore:

@@ -21,7 +21,7 @@ STORED = 8  # user sites a baseline keeps (plus the internals' and native sums)
 
 @dataclass(frozen=True)
 class Growth:
-    against: str  # "nproc=1", "the baseline"
+    against: str  # "nproc=1", "the baseline", "the baseline of rank 3"
     grown: tuple[SiteChange, ...]
     unlisted_mib: float = 0.0  # smaller growths of user sites
     unlisted: int = 0
@@ -29,6 +29,7 @@ class Growth:
     shrunk: int = 0
     internal_mib: float = 0.0  # change of the framework's own Python code
     native_mib: float = 0.0  # change of allocations with no Python stack (a framework's worker threads)
+    of: str = ""  # whose sites, where not the gated rank's: "rank 3" (rank="all", against its own baseline)
 
     def summary(self) -> str:
         """``3 smaller sites +2.1 MiB; 2 sites shrank by 12.0 MiB; framework internals +4.1 MiB``."""

@@ -61,6 +61,7 @@ class CheckRecord:
     text: str
     figure: str = ""  # "device" (NVML), "allocated" (the GPU allocator's), "host"; "" in older reports
     advisory: bool = False  # a not-validated prediction: shown, never failing
+    own: bool = False  # rank="all": another rank than the gated one, held to its own stored figure
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,9 @@ class SizeRecord:
         return "" if prediction is None else prediction.describe()
 
     def limits(self) -> list[CheckRecord]:
-        """The checks that carry a limit in MiB (what a plot draws as lines)."""
-        return [check for check in self.checks if check.limit_mib is not None]
+        """The gated rank's checks that carry a limit in MiB (what a plot draws as lines; under
+        rank="all" the other ranks' own baselines are not its limits)."""
+        return [check for check in self.checks if check.limit_mib is not None and not check.own]
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "ranks": _keyed(m.peaks, lambda p: p.mib),
         "methods": _keyed(m.peaks, lambda p: p.method),
         "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
-                    "text": c.text, "figure": c.figure, "advisory": c.advisory} for c in s.checks],
+                    "text": c.text, "figure": c.figure, "advisory": c.advisory, "own": c.own} for c in s.checks],
         "failed": s.failed,  # derived from the checks: one flag for a script reading the report
         "ratio": s.ratio,
         "ratio_figure": s.ratio_figure,

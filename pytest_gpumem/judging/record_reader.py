@@ -156,7 +156,8 @@ class _Reader(_Fields):
         return CheckRecord(kind=kind, ok=self.flag(raw, "ok", where),
                            measured_mib=self.number(raw, "measured_mib", where),
                            limit_mib=self.number(raw, "limit_mib", where), text=self.text(raw, "text", where, ""),
-                           figure=self.text(raw, "figure", where, ""), advisory=self.flag(raw, "advisory", where))
+                           figure=self.text(raw, "figure", where, ""), advisory=self.flag(raw, "advisory", where),
+                           own=self.flag(raw, "own", where))
 
     def timeline(self, raw: Any, where: str) -> tuple[tuple[float, Mapping[int, float]], ...]:
         if not isinstance(raw, list):

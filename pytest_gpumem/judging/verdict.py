@@ -6,11 +6,11 @@ Every failed check says the limit, the measured value, the unit, the rank and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from ..config.spec import Spec, Tolerance
-from ..measurement.size import ALLOCATED, DEVICE, SizeResult
+from ..measurement.size import ALLOCATED, DEVICE, HOST, SizeResult
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,10 @@ class BaselineRef:
     tolerance: Tolerance
     allocated_mib: float | None = None  # the stored allocator figure (GPU, torch)
     allocated_tolerance: Tolerance | None = None
+    # Every rank's stored figures: under rank="all" each rank is held to its own, since stages are not
+    # alike and a middle stage can grow while the largest rank does not.
+    ranks: Mapping[int, float] = field(default_factory=dict)
+    allocated_ranks: Mapping[int, float] = field(default_factory=dict)
 
 
 DIGITS = 1  # decimals of a MiB figure, unless a comparison needs more to show why it failed
@@ -74,6 +78,7 @@ class Check:
     figure: str = ""  # DEVICE, ALLOCATED or HOST: what was compared with the limit
     advisory: bool = False  # a predicted size whose model could not be validated: shown, never failing
     reference_mib: float | None = None  # what the limit is made from: peak(1), the stored baseline
+    own: bool = False  # rank="all": a rank held to its own stored figure, not the gated (largest) rank
 
     @property
     def digits(self) -> int:
@@ -279,9 +284,9 @@ def judge(
         advisory = not result.validated
 
         def check(kind: str, limit: float | None, ok: bool, detail: str, value: float | None,
-                  who: str, figure: str, reference: float | None = None) -> None:
+                  who: str, figure: str, reference: float | None = None, own: bool = False) -> None:
             checks.append(Check(kind, n, who, result.device, value, limit, ok, detail, result.basis, figure,
-                                advisory, reference))
+                                advisory, reference, own))
 
         if mib is None:
             check("measured", None, False, f"no peak could be measured ({result.methods})", None, label, "")
@@ -340,23 +345,25 @@ def judge(
 def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any) -> list[str]:
     """The stored figure(s): the device (or host) figure at ``tolerance``, and on a GPU, where both
     the baseline and this run have it, the allocator figure at its own, tighter tolerance."""
-    pairs = []
+    pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     label, mib, figure = result.read(spec.rank, DEVICE)
-    pairs.append((label, mib, figure, base.mib, base.tolerance))
+    pairs.append((label, mib, figure, base.mib, base.tolerance, False))
     if spec.figure("baseline") == ALLOCATED and base.allocated_mib is not None:
         label, value, figure = result.read(spec.rank, ALLOCATED)
         if figure == ALLOCATED:
             tolerance = base.allocated_tolerance or spec.allocated_tolerance
-            pairs.append((label, value, figure, base.allocated_mib, tolerance))
+            pairs.append((label, value, figure, base.allocated_mib, tolerance, False))
+    if spec.rank == "all":
+        pairs += _rank_pairs(spec, result, base)
     notes = []
-    for label, value, figure, stored, tolerance in pairs:
+    for label, value, figure, stored, tolerance, own in pairs:
         if value is None:
             continue
         kind, allowance = against_reference(value, stored, tolerance)
         limit = stored + allowance
         check("baseline", limit, kind != "regression",
               f"baseline {{reference}} MiB + {tolerance.explain(stored)} = {{limit}} MiB", value, label, figure,
-              stored)
+              stored, own)
         if kind == "improved":
             what = "allocator figure" if figure == ALLOCATED else "peak"
             notes.append(
@@ -364,3 +371,23 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
                 f"{stored:.1f} MiB by more than {tolerance.explain(stored)}; refresh the baseline to tighten it"
             )
     return notes
+
+
+def _rank_pairs(spec: Spec, result: SizeResult,
+                base: BaselineRef) -> list[tuple[str, float | None, str, float, Tolerance, bool]]:
+    """Under rank="all", each rank against its own stored figure: the largest rank's check does not
+    see a middle pipeline stage that grew below it. The rank that is the largest now and was then
+    is checked already, as the largest."""
+    gated, was = result.gated_rank("all"), (max((m, r) for r, m in base.ranks.items())[1] if base.ranks else None)
+    pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
+    for rank, peak in sorted(result.peaks.items()):
+        if rank == gated == was:
+            continue
+        if peak.mib is not None and rank in base.ranks:
+            figure = DEVICE if result.device == "gpu" else HOST
+            pairs.append((f"rank {rank}", peak.mib, figure, base.ranks[rank], base.tolerance, True))
+        mine = result.allocated.get(rank)
+        if spec.figure("baseline") == ALLOCATED and mine is not None and rank in base.allocated_ranks:
+            tolerance = base.allocated_tolerance or spec.allocated_tolerance
+            pairs.append((f"rank {rank}", mine.mib, ALLOCATED, base.allocated_ranks[rank], tolerance, True))
+    return pairs

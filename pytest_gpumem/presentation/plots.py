@@ -183,8 +183,7 @@ def _legend(ax: Any) -> None:
 
 def _readers(size: SizeRecord, figure: str) -> list[str]:
     """The limits that read ``figure`` at this size: what makes a curve the gated one."""
-    return sorted({c.kind.replace("max_ratio", "ratio") for c in size.checks
-                   if c.figure == figure and c.limit_mib is not None})
+    return sorted({c.kind.replace("max_ratio", "ratio") for c in size.limits() if c.figure == figure})
 
 
 def _curves(size: SizeRecord) -> list[tuple[str, str, dict[int, tuple[list[float], list[float]]], float | None]]:

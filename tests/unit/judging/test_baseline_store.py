@@ -230,7 +230,7 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                         " expected a positive integer key like '2'"),
     "entry-number": (json.dumps({"schema": 2, "tests": {"test_a[2]": {CPU: {"2": 512.3}}}}),
                      f"{FIELD}: got 512.3; expected an object with device, gated_mib, method, provenance, rank, ranks"
-                     " (and optionally allocated_mib, reserved_mib, sites)"),
+                     " (and optionally allocated_mib, reserved_mib, sites, allocated_ranks, rank_sites)"),
     "unknown-entry-key": (_entry_text(lambda e: e.update(peak=1)), f"{FIELD}: unknown key(s) 'peak'; expected only"
                           " 'device', 'gated_mib', 'method', 'provenance', 'rank', 'ranks'"),
     "missing-entry-key": (_entry_text(lambda e: e.pop("method")), f"{FIELD}.method: missing;"
@@ -262,6 +262,16 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
                   f"{FIELD}.rank: got the string 'first'; expected 'all' or an integer rank 0..1"),
     "ranks-key": (_entry_text(lambda e: e["ranks"].update({"5": 1.0})),
                   f"{FIELD}.ranks['5']: not a rank of this world size; expected rank keys '0'..'1'"),
+    "allocated-ranks-key": (_entry_text(lambda e: e.update(rank="all", allocated_ranks={"0": 1.0, "2": 1.0})),
+                            f"{FIELD}.allocated_ranks['2']: not a rank of this world size;"
+                            " expected rank keys '0'..'1'"),
+    "allocated-ranks-string": (_entry_text(lambda e: e.update(rank="all", allocated_ranks={"1": "9"})),
+                               f"{FIELD}.allocated_ranks['1']: got the string '9'; {MIB_RULE}"),
+    "rank-sites-list": (_entry_text(lambda e: e.update(rank="all", rank_sites=[])),
+                        f"{FIELD}.rank_sites: got an array; expected an object of rank -> list of sites"),
+    "rank-sites-site": (_entry_text(lambda e: e.update(rank="all", rank_sites={"1": [{"where": "a.py:1"}]})),
+                        f"{FIELD}.rank_sites['1'][0].function: missing; expected all of where, function, detail, mib,"
+                        " count, internal"),
     "method-empty": (_entry_text(lambda e: e.update(method="")),
                      f"{FIELD}.method: got the string ''; expected a non-empty string, e.g. 'high-water mark'"),
     "provenance-string": (_entry_text(lambda e: e.update(provenance="x")),
@@ -633,3 +643,18 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
                           allocated={0: AllocatedPeak(11046.76, None, "torch")}, fake_gpu="NVIDIA H200"),
         launch=LaunchResult(1, "torchrun", []), outcomes={})])
     assert gate._fake_gpu_difference(fake_run) == []  # a fake run is the fake figure: nothing to say
+
+
+def test_rank_all_keeps_every_ranks_allocator_figure_and_the_other_ranks_sites(store: BaselineStore) -> None:
+    """rank="all" holds each rank to its own figure: the entry keeps them, and each rank's sites."""
+    site = {"where": "test_pp.py:22", "function": "forward", "detail": "", "mib": 400.0, "count": 32,
+            "internal": False}
+    entry = Entry(2153.0, {0: 1293.0, 1: 1821.0, 7: 2153.0}, "all", "gpu", "per-pid sampled", {"date": "d"},
+                  allocated_mib=2100.0, sites=(dict(site, where="test_pp.py:40"),),
+                  allocated_ranks={0: 1200.5, 1: 1750.25, 7: 2100.0}, rank_sites={1: (site,)})
+    store.update(TEST, "gpu:NVIDIA H200", {8: entry})
+    got = store.lookup(TEST, "gpu:NVIDIA H200", 8)
+    assert got is not None and got.allocated_ranks == {0: 1200.5, 1: 1750.2, 7: 2100.0}  # to 0.1 MiB
+    assert got.rank_sites == {1: (site,)} and got.gated_rank == 7
+    assert got.sites_of(1) == (site,) and got.sites_of(7)[0]["where"] == "test_pp.py:40" and got.sites_of(3) == ()
+    assert '"rank_sites": {\n' in store.file_for(TEST).read_text()

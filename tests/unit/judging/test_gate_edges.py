@@ -438,3 +438,91 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
     text = explain_failure(test, verdict, [], {}, grown)
     assert "peak sites of rank 3 (largest) at nproc=8 that grew since rank 1 (largest) at nproc=4:" in text
     assert "+512.0 MiB  train.py:40 step (all_gather)  (new)" in text
+
+
+# -- rank="all" against a baseline: each rank against its own -------------------------------
+
+
+def _pipeline_run(n: int, peaks: dict[int, float], sites: dict[int, tuple] | None = None):
+    from pytest_gpumem.launching.launch import LaunchResult
+    from pytest_gpumem.launching.runs import SizeRun
+
+    result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
+                        sites=sites or {})
+    return SizeRun(result, LaunchResult(n, "direct", []), {})
+
+
+HEALTHY_STAGES = {0: 1300.0, 1: 1800.0, 2: 1790.0, 3: 2150.0}  # the last stage the largest (1F1B at 4)
+
+
+@pytest.mark.parametrize("grown, ok", [(0.0, True), (18.0, True), (18.0 + JUST, False), (300.0, False)])
+def test_rank_all_holds_each_rank_to_its_own_baseline_figure(grown, ok):
+    """A middle stage that grows below the largest rank: the largest's own check passes, rank 1's fails
+    at its own figure + tolerance (max(1%, 4MiB) of 1800 = 18 MiB)."""
+    exact = parse_tolerance("max(1%, 4MiB)")
+    stages = {**HEALTHY_STAGES, 1: HEALTHY_STAGES[1] + grown}
+    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES)
+    v = judge(spec(nproc=4, rank="all"), [result(4, *stages.values())], {4: ref})
+    assert v.passed is ok
+    labels = [(c.rank_label, c.ok) for c in v.checks]
+    assert labels == [("rank 3 (largest)", True), ("rank 0", True), ("rank 1", ok), ("rank 2", True)]
+    assert [c.own for c in v.checks] == [False, True, True, True]  # a plot draws the largest's limit only
+    if not ok:
+        digits = v.failures[0].digits
+        assert str(v.failures[0]) == (f"rank 1 at nproc=4 (cpu): peak {1800.0 + grown:.{digits}f} MiB > baseline "
+                                      f"{1800:.{digits}f} MiB + max(1% = 18.0, 4) MiB = {1818:.{digits}f} MiB")
+
+
+def test_rank_all_checks_the_new_largest_against_its_own_figure_too():
+    """The largest rank moved (rank 2 grew past rank 3): largest against largest, and rank 2 against
+    its own stored figure, which is where the growth shows."""
+    exact = parse_tolerance("max(1%, 4MiB)")
+    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES)
+    v = judge(spec(nproc=4, rank="all"), [result(4, 1300.0, 1800.0, 2160.0, 2150.0)], {4: ref})
+    assert [(c.rank_label, c.ok) for c in v.checks if c.rank_label.startswith("rank 2")] == [
+        ("rank 2 (largest)", True), ("rank 2", False)]
+
+
+def test_a_fixed_gated_rank_is_not_held_to_the_other_ranks_figures():
+    exact = parse_tolerance("max(1%, 4MiB)")
+    ref = BaselineRef(HEALTHY_STAGES[0], exact, ranks=HEALTHY_STAGES)
+    v = judge(spec(nproc=4, rank=0), [result(4, 1300.0, 2400.0, 1790.0, 2150.0)], {4: ref})
+    assert v.passed and [c.rank_label for c in v.checks] == ["rank 0"]
+
+
+def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stored_sites():
+    """Pipeline stages keeping every microbatch's output: rank 1 grew most, so its sites are compared with
+    rank 1's stored sites (not the largest rank's), and the failure leads with its line."""
+    from pytest_gpumem.gate import explain_failure, grown_sites
+    from pytest_gpumem.judging.baseline import Entry
+    from pytest_gpumem.judging.growth import stored_sites
+    from pytest_gpumem.launching.runs import TestRun
+    from pytest_gpumem.sampling.sites import Site
+
+    layer = Site("test_pp.py:20", "forward", "linear", 200.0)
+    kept = Site("test_pp.py:22", "forward", "", 400.0)
+    targets = Site("test_pp.py:40", "pp_job", "randn", 600.0)
+    before = {1: (layer,), 2: (layer,), 3: (targets,)}
+    entry = Entry(HEALTHY_STAGES[3], HEALTHY_STAGES, "all", "cpu", "live allocations (memray)", {},
+                  sites=tuple(stored_sites(before[3])),
+                  rank_sites={r: tuple(stored_sites(s)) for r, s in before.items() if r != 3})
+    assert entry.gated_rank == 3 and entry.sites_of(1)[0]["where"] == "test_pp.py:20"
+    marker = parse_marker((), {"nproc": 4, "rank": "all"}, Defaults())
+    grown_stages = {0: 1300.0, 1: 2200.0, 2: 2150.0, 3: 2150.0}
+    test = TestRun("test_pp.py::test_1f1b", marker, runs=[
+        _pipeline_run(4, grown_stages, {1: (layer, kept), 2: (layer, replace_mib(kept, 360.0)), 3: (targets,)})])
+    ref = BaselineRef(entry.gated_mib, parse_tolerance("max(1%, 4MiB)"), ranks=entry.ranks)
+    verdict = judge(marker, test.results, {4: ref})
+    assert not verdict.passed
+    grown = grown_sites(test, verdict, {4: entry})
+    assert grown is not None and grown.of == "rank 1" and grown.against == "the baseline of rank 1"
+    assert [c.label for c in grown.grown] == ["test_pp.py:22 forward"]
+    lines = explain_failure(test, verdict, [], {4: entry}, grown).splitlines()
+    assert lines[1:3] == ["  peak sites of rank 1 at nproc=4 that grew since its baseline:",
+                          "    +400.0 MiB  test_pp.py:22 forward  (new)"]
+
+
+def replace_mib(site, mib: float):
+    from dataclasses import replace
+
+    return replace(site, mib=mib)
