@@ -422,6 +422,41 @@ def moe_expert_lines() -> set[str]:
     return {f"test_moe.py:{n}" for n in range(first, last + 1)}
 
 
+# Context parallel (torch.distributed.tensor.experimental.context_parallel): one attention layer whose
+# input sequence is sharded over the world, ring attention passing the keys and values round; 64 MiB
+# of bf16 input. The regression leaves the input out of context_parallel's buffers: every rank keeps
+# the whole sequence, and gathers every rank's keys and values of it. Needs CUDA: torch 2.13's CPU
+# flash attention has no sharding strategy, so on CPU it does not run at all.
+TORCH_CP = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+HEADS, HEAD_DIM, SEQ = 16, 64, 32768
+
+
+def cp_job(shard=True):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    width = HEADS * HEAD_DIM
+    proj = torch.nn.Linear(width, 3 * width, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, SEQ, width, device="cuda", dtype=torch.bfloat16)
+    with context_parallel(mesh, buffers=[x] if shard else [], buffer_seq_dims=[1] if shard else []):
+        q, k, v = (t.view(1, -1, HEADS, HEAD_DIM).transpose(1, 2) for t in proj(x).chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+'''
+
+
 # A pipeline: LAYERS blocks split over the world's stages (PipelineStage with its shapes declared),
 # MICROBATCHES microbatches a step under 1F1B or GPipe; 0.25 MiB of activation per microbatch and
 # layer (x SCALE on a GPU). A stage after the first declares an input that requires grad: otherwise it

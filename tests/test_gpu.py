@@ -673,6 +673,46 @@ def test_pipeline_stages_at_1_2_8_find_the_largest_rank_and_each_stage_is_held_t
             assert f"test_pp.py:{kept} forward" in lines[headline + 2], lines[headline:headline + 3]
 
 
+# Context parallel (tests/jobs.py TORCH_CP): the sequence sharded over the world, so rank 0's allocator
+# figure falls with N; the twin leaves the input out of context_parallel's buffers.
+CP_TESTS = '''
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.1)
+def test_cp():
+    cp_job()
+
+
+@pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", max_ratio=1.1)
+def test_cp_unsharded():
+    cp_job(shard=False)
+'''
+
+
+@needs_gpu
+def test_context_parallel_shards_the_sequence_and_an_unsharded_input_fails_its_ratio_naming_the_line(
+        pytester, launch_tag):
+    """Ring attention over a sharded sequence at nproc=1 real, 2 and 8 simulated: rank 0's allocator
+    figure falls with the world; an input left out of context_parallel's buffers (every rank holds the
+    whole sequence and gathers every rank's keys and values) fails max_ratio, naming a line of the
+    attention."""
+    from jobs import TORCH_CP
+
+    result, records = _run_job(pytester, "test_cp", TORCH_CP + CP_TESTS)
+    for name, rec in records.items():
+        for size in rec["sizes"]:
+            print(f"{name} nproc={size['nproc']}: allocated {size['allocated_mib']} MiB, ratio {size['ratio']}, "
+                  f"simulated {size['simulated']}")
+    assert {name: rec["status"] for name, rec in records.items()} == {"test_cp": "passed",
+                                                                      "test_cp_unsharded": "failed"}
+    healthy = records["test_cp"]
+    assert _size(healthy, 8)["simulated"] == [0] and not _size(healthy, 1)["simulated"]
+    assert _size(healthy, 8)["allocated_mib"] < _size(healthy, 2)["allocated_mib"] < _size(healthy, 1)["allocated_mib"]
+    first = records["test_cp_unsharded"]["grown_sites"][0]
+    lines = TORCH_CP.lstrip("\n").splitlines()
+    block = next(n for n, text in enumerate(lines, 1) if "with context_parallel(" in text)
+    print(f"the twin's first grown site: {first}")
+    assert first["site"].startswith(tuple(f"test_cp.py:{n} " for n in range(block + 1, block + 4))), first
+
+
 # A mixture-of-experts layer (tests/jobs.py TORCH_MOE: the token counts through all_to_all_single,
 # then .tolist() as split sizes), 256 MiB of tokens a rank.
 MOE_TESTS = '''
