@@ -112,7 +112,8 @@ class Gate:
             tolerances = {n: self._tolerance(test, n, e) for n, e in stored.items()}
             notes += dict.fromkeys(note for _, note in tolerances.values() if note)  # each said once
             refs = {n: BaselineRef(e.gated_mib, tolerances[n][0], e.allocated_mib,
-                                   spec.allocated_tolerance.resolve(exact=True), e.ranks, e.allocated_ranks)
+                                   spec.allocated_tolerance.resolve(exact=True), e.ranks, e.allocated_ranks,
+                                   e.gated_rank)
                     for n, e in stored.items()}
             verdict = judge(spec, test.results, refs, tuple(notes))
             if self.settings.refresh:

@@ -23,6 +23,7 @@ class BaselineRef:
     # alike and a middle stage can grow while the largest rank does not.
     ranks: Mapping[int, float] = field(default_factory=dict)
     allocated_ranks: Mapping[int, float] = field(default_factory=dict)
+    gated_rank: int | None = None  # the rank ``mib`` is the figure of (the largest, under rank="all")
 
 
 DIGITS = 1  # decimals of a MiB figure, unless a comparison needs more to show why it failed
@@ -378,7 +379,7 @@ def _rank_pairs(spec: Spec, result: SizeResult,
     """Under rank="all", each rank against its own stored figure: the largest rank's check does not
     see a middle pipeline stage that grew below it. The rank that is the largest now and was then
     is checked already, as the largest."""
-    gated, was = result.gated_rank("all"), (max((m, r) for r, m in base.ranks.items())[1] if base.ranks else None)
+    gated, was = result.gated_rank("all"), base.gated_rank
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     for rank, peak in sorted(result.peaks.items()):
         if rank == gated == was:

@@ -461,7 +461,7 @@ def test_rank_all_holds_each_rank_to_its_own_baseline_figure(grown, ok):
     at its own figure + tolerance (max(1%, 4MiB) of 1800 = 18 MiB)."""
     exact = parse_tolerance("max(1%, 4MiB)")
     stages = {**HEALTHY_STAGES, 1: HEALTHY_STAGES[1] + grown}
-    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES)
+    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES, gated_rank=3)
     v = judge(spec(nproc=4, rank="all"), [result(4, *stages.values())], {4: ref})
     assert v.passed is ok
     labels = [(c.rank_label, c.ok) for c in v.checks]
@@ -477,7 +477,7 @@ def test_rank_all_checks_the_new_largest_against_its_own_figure_too():
     """The largest rank moved (rank 2 grew past rank 3): largest against largest, and rank 2 against
     its own stored figure, which is where the growth shows."""
     exact = parse_tolerance("max(1%, 4MiB)")
-    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES)
+    ref = BaselineRef(HEALTHY_STAGES[3], exact, ranks=HEALTHY_STAGES, gated_rank=3)
     v = judge(spec(nproc=4, rank="all"), [result(4, 1300.0, 1800.0, 2160.0, 2150.0)], {4: ref})
     assert [(c.rank_label, c.ok) for c in v.checks if c.rank_label.startswith("rank 2")] == [
         ("rank 2 (largest)", True), ("rank 2", False)]
@@ -485,7 +485,7 @@ def test_rank_all_checks_the_new_largest_against_its_own_figure_too():
 
 def test_a_fixed_gated_rank_is_not_held_to_the_other_ranks_figures():
     exact = parse_tolerance("max(1%, 4MiB)")
-    ref = BaselineRef(HEALTHY_STAGES[0], exact, ranks=HEALTHY_STAGES)
+    ref = BaselineRef(HEALTHY_STAGES[0], exact, ranks=HEALTHY_STAGES, gated_rank=0)
     v = judge(spec(nproc=4, rank=0), [result(4, 1300.0, 2400.0, 1790.0, 2150.0)], {4: ref})
     assert v.passed and [c.rank_label for c in v.checks] == ["rank 0"]
 
@@ -511,7 +511,8 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
     grown_stages = {0: 1300.0, 1: 2200.0, 2: 2150.0, 3: 2150.0}
     test = TestRun("test_pp.py::test_1f1b", marker, runs=[
         _pipeline_run(4, grown_stages, {1: (layer, kept), 2: (layer, replace_mib(kept, 360.0)), 3: (targets,)})])
-    ref = BaselineRef(entry.gated_mib, parse_tolerance("max(1%, 4MiB)"), ranks=entry.ranks)
+    ref = BaselineRef(entry.gated_mib, parse_tolerance("max(1%, 4MiB)"), ranks=entry.ranks,
+                      gated_rank=entry.gated_rank)
     verdict = judge(marker, test.results, {4: ref})
     assert not verdict.passed
     grown = grown_sites(test, verdict, {4: entry})
