@@ -345,7 +345,8 @@ def judge(
 
 def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any) -> list[str]:
     """The stored figure(s): the device (or host) figure at ``tolerance``, and on a GPU, where both
-    the baseline and this run have it, the allocator figure at its own, tighter tolerance."""
+    the baseline and this run have it, the allocator figure at its own, tighter tolerance; under
+    rank="all" each rank's against its own as well."""
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     label, mib, figure = result.read(spec.rank, DEVICE)
     pairs.append((label, mib, figure, base.mib, base.tolerance, False))
