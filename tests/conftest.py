@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,12 @@ OWN_CACHES = ("GPUMEM_FLOOR_CACHE", "GPUMEM_STARTUP_CACHE")
 # benchmarks/results/simulate_fsdp2_spread.txt); DDP's job in test_figures_travel read +3.17 MiB once on
 # a loaded CI machine (travel_spread.txt). Used by the tests that compare two real gloo runs' figures.
 GLOO_TRANSIENT_MIB = 4.0
+
+# A suite started in the background by a non-interactive shell (`make test &`) gets SIGINT ignored,
+# and every process it starts inherits that: the Ctrl-C tests' pytest would ignore their Ctrl-C. A
+# handler, unlike SIG_IGN, is reset at exec, so the children start as a terminal's would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def processes_tagged(tag: str) -> list[int]:
