@@ -424,9 +424,9 @@ def moe_expert_lines() -> set[str]:
 
 # Context parallel (torch.distributed.tensor.experimental.context_parallel): one attention layer whose
 # input sequence is sharded over the world, ring attention passing the keys and values round; 64 MiB
-# of bf16 input. The regression leaves the input out of context_parallel's buffers: every rank keeps
-# the whole sequence, and gathers every rank's keys and values of it. Needs CUDA: torch 2.13's CPU
-# flash attention has no sharding strategy, so on CPU it does not run at all.
+# of bf16 input. The regression leaves the input out of context_parallel's buffers (the positions alone
+# sharded): every rank keeps the whole sequence, and gathers every rank's keys and values of it. Needs
+# CUDA: torch 2.13's CPU flash attention has no sharding strategy, so on CPU it does not run at all.
 TORCH_CP = '''
 import os
 import pytest
@@ -448,7 +448,9 @@ def cp_job(shard=True):
     width = HEADS * HEAD_DIM
     proj = torch.nn.Linear(width, 3 * width, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, SEQ, width, device="cuda", dtype=torch.bfloat16)
-    with context_parallel(mesh, buffers=[x] if shard else [], buffer_seq_dims=[1] if shard else []):
+    positions = torch.arange(SEQ, device="cuda").unsqueeze(0)
+    buffers = [x, positions] if shard else [positions]    # the regression: x left whole on every rank
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
         q, k, v = (t.view(1, -1, HEADS, HEAD_DIM).transpose(1, 2) for t in proj(x).chunk(3, dim=-1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.float().pow(2).mean().backward()

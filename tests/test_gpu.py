@@ -688,12 +688,12 @@ def test_cp_unsharded():
 
 
 @needs_gpu
-def test_context_parallel_shards_the_sequence_and_an_unsharded_input_fails_its_ratio_naming_the_line(
-        pytester, launch_tag):
+def test_context_parallel_shards_the_sequence_and_an_unsharded_input_fails_its_ratio(pytester, launch_tag):
     """Ring attention over a sharded sequence at nproc=1 real, 2 and 8 simulated: rank 0's allocator
     figure falls with the world; an input left out of context_parallel's buffers (every rank holds the
-    whole sequence and gathers every rank's keys and values) fails max_ratio, naming a line of the
-    attention."""
+    whole sequence and gathers every rank's keys and values) fails max_ratio. Its growth is allocated
+    where the stacks hold no frame of the job: the failure sums it as framework internals and names no
+    line (measured: +1216 MiB at 8, benchmarks/results/gpu_context_parallel.txt)."""
     from jobs import TORCH_CP
 
     result, records = _run_job(pytester, "test_cp", TORCH_CP + CP_TESTS)
@@ -703,14 +703,12 @@ def test_context_parallel_shards_the_sequence_and_an_unsharded_input_fails_its_r
                   f"simulated {size['simulated']}")
     assert {name: rec["status"] for name, rec in records.items()} == {"test_cp": "passed",
                                                                       "test_cp_unsharded": "failed"}
-    healthy = records["test_cp"]
+    healthy, unsharded = records["test_cp"], records["test_cp_unsharded"]
     assert _size(healthy, 8)["simulated"] == [0] and not _size(healthy, 1)["simulated"]
     assert _size(healthy, 8)["allocated_mib"] < _size(healthy, 2)["allocated_mib"] < _size(healthy, 1)["allocated_mib"]
-    first = records["test_cp_unsharded"]["grown_sites"][0]
-    lines = TORCH_CP.lstrip("\n").splitlines()
-    block = next(n for n, text in enumerate(lines, 1) if "with context_parallel(" in text)
-    print(f"the twin's first grown site: {first}")
-    assert first["site"].startswith(tuple(f"test_cp.py:{n} " for n in range(block + 1, block + 4))), first
+    assert _size(unsharded, 8)["ratio"] > _size(unsharded, 2)["ratio"] > 1.1
+    print(f"the twin's sites: {unsharded['grown_sites']} ({unsharded['sites_summary']})")
+    assert "framework internals" in unsharded["sites_summary"]
 
 
 # A mixture-of-experts layer (tests/jobs.py TORCH_MOE: the token counts through all_to_all_single,
