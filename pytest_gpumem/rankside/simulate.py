@@ -20,11 +20,11 @@ What the fake group alone gets wrong, mended here:
   learn undeclared shapes from their neighbours: the vote is answered as if every stage voted as this
   one (stages taken as alike in that), and receiving a neighbour's shapes stops the rank with what to
   declare instead.
-- A real backend's send work owns the tensor it sends until the work is dropped (gloo's send work
-  holds it; NCCL's stashes it for the allocator); the fake group's owns nothing. A pipeline schedule
-  keeps a step's send works until the step ends, so its gradients sent back stayed live in the real
-  world and not here (GPipe at 8 stages: 7.6 MiB under real gloo). Here a send's work holds its
-  tensor for as long as the work lives.
+- A real backend keeps a tensor it sends: gloo's send work holds it until the work is dropped, NCCL
+  at least until the send completes; the fake group's work holds nothing. A pipeline schedule keeps
+  a step's send works until the step ends, so its gradients sent back stayed live in the real world
+  and not here (GPipe at 8 stages: 7.6 MiB under real gloo). Here a send's work holds its tensor for
+  as long as the work lives, as gloo's does (on NCCL: the longest it can be held).
 - OneFlow has no such group: a simulated rank that imports it stops with a message.
 """
 
@@ -157,7 +157,7 @@ def _patch_ddp(torch: ModuleType) -> None:
 
 
 def _patch_sends(dist: ModuleType, c10d: ModuleType) -> None:
-    """``isend``'s work holds its tensor while it lives, as gloo's and NCCL's do."""
+    """``isend``'s work holds its tensor while it lives, as gloo's does."""
     original = c10d.isend
 
     @functools.wraps(original)
