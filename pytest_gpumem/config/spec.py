@@ -233,7 +233,7 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
                    "MiB allowed on top of the ratio for buffers that exist only when N > 1: the gate is "
                    "peak(N) <= max_ratio * peak(reference) + allow_mib"),
     MarkerArgument("rank", "0", "an int below the smallest nproc, or 'all'",
-                   "the rank that gates; 'all' gates the largest rank peak"),
+                   "the rank that gates; 'all': the largest rank, each rank held to its own baseline"),
     MarkerArgument("device", "[gpumem_device]", "one of " + ", ".join(DEVICES),
                    "the memory that is gated: auto means GPU memory where the ranks use a GPU, host memory otherwise"),
     MarkerArgument("launcher", "[gpumem_launcher]", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
