@@ -611,9 +611,10 @@ def test_rank_all_at_8_of_ranks_that_do_not_fit_together_runs_them_in_turn_and_n
 
 
 # A pipeline (tests/jobs.py TORCH_PP: 8 layers over the world's stages, 32 microbatches of 16 MiB a
-# layer): 1F1B keeps at most a world's worth of microbatches in flight, GPipe all 32 (384 MiB and more
-# above 1F1B at 8 on every stage but the last, measured), and the regression keeps every microbatch's
-# output (4096/N MiB more). STAGES picks the schedule of one test id, so each runs against 1F1B's baseline.
+# layer): 1F1B keeps at most a world's worth of microbatches in flight, GPipe all 32 and the gradients
+# it sends back (864 MiB and more above 1F1B at 8 on every stage but the last, measured on one H100),
+# and the regression keeps every microbatch's output (384 MiB and more there). STAGES picks the
+# schedule of one test id, so each runs against 1F1B's baseline.
 PIPELINE = '''
 @pytest.mark.gpumem(nproc=[1, 2, 8], device="gpu", rank="all")
 def test_stages():
