@@ -2,7 +2,7 @@
 declared, Schedule1F1B) at nproc=2 on real gloo ranks and simulated, every rank measured
 (``rank="all"``). Each rank's host figure agrees, the largest rank is the same one (found, not
 assumed), and a job keeping every microbatch's output fails the baseline the healthy one passes,
-each rank held to its own figure, the failure leading with the line that keeps them.
+each rank held to its own figure, the failure leading with the line that allocates them.
 
 The wider table (GPipe, 2/4/8 ranks, real against simulated per rank) is
 benchmarks/results/parallelism_validation.txt; one H200 is tests/test_gpu.py -k pipeline."""
