@@ -357,10 +357,9 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> gr
 def _against_baseline(entry: Entry, new: tuple, rank: int | None = None) -> growth_mod.Growth:
     old = from_dicts(entry.sites if rank is None else entry.sites_of(rank))
     complete = sum(not s.internal for s in old) < growth_mod.STORED  # else smaller sites were cut
-    if rank is None:
-        return growth_mod.site_growth(old, new, "the baseline", old_complete=complete)
-    growth = growth_mod.site_growth(old, new, f"the baseline of rank {rank}", old_complete=complete)
-    return replace(growth, of=f"rank {rank}")
+    against = "the baseline" if rank is None else f"the baseline of rank {rank}"
+    growth = growth_mod.site_growth(old, new, against, old_complete=complete)
+    return growth if rank is None else replace(growth, of=f"rank {rank}")
 
 
 def _most_grown_rank(result: SizeResult, entry: Entry) -> growth_mod.Growth | None:

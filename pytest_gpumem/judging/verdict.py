@@ -381,12 +381,12 @@ def _rank_pairs(spec: Spec, result: SizeResult,
     see a middle pipeline stage that grew below it. The rank that is the largest now and was then
     is checked already, as the largest."""
     gated, was = result.gated_rank("all"), base.gated_rank
+    figure = DEVICE if result.device == "gpu" else HOST
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     for rank, peak in sorted(result.peaks.items()):
         if rank == gated == was:
             continue
         if peak.mib is not None and rank in base.ranks:
-            figure = DEVICE if result.device == "gpu" else HOST
             pairs.append((f"rank {rank}", peak.mib, figure, base.ranks[rank], base.tolerance, True))
         mine = result.allocated.get(rank)
         if spec.figure("baseline") == ALLOCATED and mine is not None and rank in base.allocated_ranks:

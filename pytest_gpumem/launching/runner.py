@@ -128,7 +128,7 @@ class Runner:
         note = (f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
                 f"{figure} (--gpumem-sites=on records it in every launch)")
         # rank="all" holds each rank to its own baseline: every rank's sites, to name the one that grew.
-        found_sites = {**again.result.sites} if test.spec.rank == "all" else {rank: found}
+        found_sites = again.result.sites if test.spec.rank == "all" else {rank: found}
         return replace(run, result=replace(result, sites={**result.sites, **found_sites},
                                            sites_notes=(*result.sites_notes, note)))
 

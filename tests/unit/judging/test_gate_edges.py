@@ -10,6 +10,7 @@ is the limit itself; "just above" is 0.01 MiB over (far below any slack a mutant
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -510,7 +511,7 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
     marker = parse_marker((), {"nproc": 4, "rank": "all"}, Defaults())
     grown_stages = {0: 1300.0, 1: 2200.0, 2: 2150.0, 3: 2150.0}
     test = TestRun("test_pp.py::test_1f1b", marker, runs=[
-        _pipeline_run(4, grown_stages, {1: (layer, kept), 2: (layer, replace_mib(kept, 360.0)), 3: (targets,)})])
+        _pipeline_run(4, grown_stages, {1: (layer, kept), 2: (layer, replace(kept, mib=360.0)), 3: (targets,)})])
     ref = BaselineRef(entry.gated_mib, parse_tolerance("max(1%, 4MiB)"), ranks=entry.ranks,
                       gated_rank=entry.gated_rank)
     verdict = judge(marker, test.results, {4: ref})
@@ -521,9 +522,3 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
     lines = explain_failure(test, verdict, [], {4: entry}, grown).splitlines()
     assert lines[1:3] == ["  peak sites of rank 1 at nproc=4 that grew since its baseline:",
                           "    +400.0 MiB  test_pp.py:22 forward  (new)"]
-
-
-def replace_mib(site, mib: float):
-    from dataclasses import replace
-
-    return replace(site, mib=mib)
