@@ -134,6 +134,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
 
     fake = CountingFakeMode(allow_non_fake_inputs=True)
     composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    cpu_key = torch._C.DispatchKey.CPU
     cuda_type = "cuda"
 
     def wants_fake(args: Any, kwargs: Any) -> bool:
@@ -171,9 +172,11 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                 # inside (its local ops, a CUDA RNG state it makes) comes back here.
                 return NotImplemented
             kwargs = kwargs or {}
-            if func.namespace == "aten" and func.has_kernel_for_dispatch_key(composite):
+            if (func.namespace == "aten" and func.has_kernel_for_dispatch_key(composite)
+                    and not func.has_kernel_for_dispatch_key(cpu_key)):
                 # Seen unexpanded under a subclass's dispatch (``to.dtype_layout`` in DTensor's RNG set-up):
                 # expand it here, so its parts come back one by one (fake mode would run it on the CPU).
+                # One with a kernel of its own (``silu_backward``, see _shape_rules) is one kernel on a GPU.
                 with self:
                     expanded = func.decompose(*args, **kwargs)
                 if expanded is not NotImplemented:
@@ -353,9 +356,25 @@ def _keep_ties(torch: ModuleType, fake_type: Any) -> None:
 
 def _shape_rules(torch: ModuleType) -> None:
     """Shape rules (meta kernels) torch lacks for CUDA ops a training job runs: the GRU cell that
-    ``nn.GRU`` takes where cuDNN is not used, and its backward."""
+    ``nn.GRU`` takes where cuDNN is not used, and its backward.
+
+    And one kernel where the CUDA build has one: an op with a CPU kernel and a decomposition
+    (``silu_backward``, ``mish_backward``), or a fused CUDA-only one (``_fused_rms_norm``), has a CUDA
+    kernel in the CUDA build, but in the CPU
+    build a CUDA tensor takes the decomposition, whose intermediates (three activation-sized tensors
+    for SiLU's backward) a GPU never holds. Registering a CUDA kernel for it sends the op down whole,
+    to the fake mode, which runs it on its shape rule; the kernel itself never runs."""
     library = torch.library.Library("aten", "IMPL")
     _kept_libraries.append(library)
+
+    def no_kernel(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("pytest-gpumem's fake GPU: a CUDA op reached no fake tensor")
+
+    has = torch._C._dispatch_has_kernel_for_dispatch_key  # noqa: SLF001
+    for name in torch._C._dispatch_get_all_op_names():  # noqa: SLF001
+        if name.startswith("aten::") and has(name, "CompositeImplicitAutograd") and (
+                has(name, "CPU") or name in CUDA_ONLY_FUSED):
+            library.impl(name.removeprefix("aten::"), no_kernel, "CUDA")
 
     def gru_cell(input_gates: Any, hidden_gates: Any, hx: Any, input_bias: Any = None, hidden_bias: Any = None) -> Any:
         return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], hx.shape[1] * 5))
@@ -408,6 +427,9 @@ def _save_from_the_host(torch: ModuleType, fake_type: Any) -> None:
     setattr(torch.serialization, "save", save)
 
 
+# Fused ops with a CUDA kernel only (none for the CPU, a decomposition elsewhere): RMSNorm on a GPU
+# holds its output and the inverse RMS, not the decomposition's five intermediates.
+CUDA_ONLY_FUSED = ("aten::_fused_rms_norm",)
 _kept_libraries: list[Any] = []  # a Library's registrations last as long as the object
 
 
