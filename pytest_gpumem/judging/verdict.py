@@ -332,6 +332,10 @@ def judge(
                            "torch's caching allocator would count on that model, and it stands for the device "
                            "figure, which a fake GPU has not (no CUDA context, no NCCL buffers, no allocator "
                            "cache): a lower bound of what nvidia-smi would show")
+        supplied = tuple(dict.fromkeys(line for r in fake for line in r.supplied))
+        if supplied:
+            extra_notes.append("the fake GPU supplied what fake tensors do not have (docs/fake-gpu.md, \"Values\"); "
+                               "the figure holds under these assumptions: " + "; ".join(supplied))
     simulated = [r for r in results if r.simulated and not r.fake_gpu]
     if simulated:
         sizes = ", ".join(str(r.world_size) for r in simulated)

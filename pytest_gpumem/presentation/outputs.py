@@ -194,6 +194,8 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                   "(every CUDA tensor fake: the allocator figure as torch would count it on that model; "
                   "no device figure: no CUDA context, NCCL buffers or allocator cache)"
                   for rec in records for size in rec.sizes if size.measured.fake_gpu)
+    legend.extend(f"fake GPU supplied, for `{rec.test}`: " + "; ".join(supplied)
+                  for rec in records if (supplied := _supplied(rec)))
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -285,7 +287,14 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
             props.append((f"{key}_simulated", ",".join(map(str, size.measured.simulated))))
         if size.measured.fake_gpu:
             props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
+        if size.measured.supplied:
+            props.append((f"{key}_fake_gpu_supplied", "; ".join(size.measured.supplied)))
     return props
+
+
+def _supplied(rec: TestRecord) -> tuple[str, ...]:
+    """What a fake GPU supplied in any of a test's sizes, each line once."""
+    return tuple(dict.fromkeys(line for size in rec.sizes for line in size.measured.supplied))
 
 
 # ---------------------------------------------------------------------------------------------
