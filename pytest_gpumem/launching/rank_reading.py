@@ -23,6 +23,7 @@ from . import failures
 from .gpus import GpuPlan
 from .launch import LaunchResult
 from .launcher import launcher
+from .rank_setup import nccl_defaults_note
 from .runs import SizeRun
 
 
@@ -81,6 +82,9 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                          "tensor, or ended before its report)" if plan.fake_gpu and use_gpu else "not available")
     if use_gpu:
         provenance.update(plan.provenance)
+        nccl_note = None if plan.fake_gpu else nccl_defaults_note(provenance, spec.env)
+        if nccl_note is not None:
+            notes.append(nccl_note)
     elif reading.untracked_host and any(
             not is_allocation_method(p.method) for p in host_peaks.values()):
         notes.append("no rank was seen on its GPU, so the host figure is gated, but host allocations were not "

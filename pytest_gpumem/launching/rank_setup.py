@@ -31,13 +31,29 @@ QUIET = (None, EXEC_ASKED, NOT_GPU)  # reasons the record does not repeat under 
 # on the thread's own period: a tensor the job frees in between stays counted by the allocator for a
 # while, so an unchanged DDP job's max_memory_allocated read 1601.28 or 1857.33 MiB between runs
 # (benchmarks/gpu/ddp_nccl_spread.py). A blocking wait hands them back at the wait: the figure holds.
+# The wait changes the job: it frees earlier than the job as run, so the job as run reads higher, by an
+# amount no launch can tell without running it both ways (benchmarks/gpu/blocking_wait.py).
 NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+NCCL_DEFAULTS_NOTE = (
+    "measured with TORCH_NCCL_BLOCKING_WAIT=1, the plugin's default, so that the allocator figure holds between "
+    "runs; the job as run without it holds NCCL's finished work longer and reads higher (a DDP ResNet-50 on one "
+    "H100: 3269.84 MiB as run, 3171.84 gated, +3.1%, benchmarks/results/blocking_wait.txt); "
+    "env={'TORCH_NCCL_BLOCKING_WAIT': '0'} on the marker gates the job as run")
 
 
 def nccl_defaults(gpu: bool, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The GPU ranks' NCCL settings that make the allocator figure reproducible, unless the session
     sets them itself (a marker's env wins over both)."""
     return {k: v for k, v in NCCL_DEFAULTS.items() if gpu and k not in environ}
+
+
+def nccl_defaults_note(provenance: Mapping[str, str], marker_env: Mapping[str, str],
+                       environ: Mapping[str, str] = os.environ) -> str | None:
+    """What a real GPU size says when the plugin's NCCL defaults reached its ranks (their recorded
+    environment has them, and neither the session nor the marker set them)."""
+    applied = [k for k, v in NCCL_DEFAULTS.items()
+               if provenance.get(f"env.{k}") == v and k not in marker_env and k not in environ]
+    return NCCL_DEFAULTS_NOTE if applied else None
 
 
 @dataclass(frozen=True)

@@ -390,6 +390,11 @@ def _shape_rules(torch: ModuleType) -> None:
             library.impl(name, rule, "Meta")
 
 
+# benchmarks/results/fake_gpu_compile.txt: an 8-block GPT-like stack on one H100 against the fake GPU.
+COMPILED_VS_EAGER = ("the figure is the eager job's; on a GPT-like stack it read 0.43% above the GPU's Inductor "
+                     "run, equal to its aot_eager run")
+
+
 def _compile_runs_eagerly(torch: ModuleType, supplied: Any) -> None:
     """``torch.compile`` on a fake GPU: Inductor's kernels cannot be built without a device, and
     Dynamo would fall back to eager under the fake mode anyway, without a word. The function or module
@@ -403,7 +408,7 @@ def _compile_runs_eagerly(torch: ModuleType, supplied: Any) -> None:
             return lambda fn: compile(fn, **kwargs)
         if f"{os.sep}torch{os.sep}" not in sys._getframe(1).f_code.co_filename:  # noqa: SLF001 - torch's own: inside
             name = getattr(model, "__qualname__", None) or type(model).__name__
-            supplied.add(f"compile: torch.compile({name}) ran eagerly (the figure is the eager job's)")
+            supplied.add(f"compile: torch.compile({name}) ran eagerly ({COMPILED_VS_EAGER})")
         return model
 
     setattr(torch, "compile", compile)
