@@ -82,7 +82,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                          "tensor, or ended before its report)" if plan.fake_gpu and use_gpu else "not available")
     if use_gpu:
         provenance.update(plan.provenance)
-        nccl_note = None if plan.fake_gpu else nccl_defaults_note(provenance, spec.env)
+        nccl_note = None if plan.fake_gpu else nccl_defaults_note(provenance, dict(spec.env))
         if nccl_note is not None:
             notes.append(nccl_note)
     elif reading.untracked_host and any(
