@@ -195,17 +195,43 @@ JOBS = {"fsdp1": fsdp1, "fsdp2": fsdp2, "ddp": ddp, "ddp_gather": lambda: ddp(ga
 # from a config (no download), trained with torch's own wrappers the way their recipes do. Each
 # returns what EXTRA_MIB kept alive; they run on a real GPU and on a fake one unchanged.
 FOREIGN = _CUDA_JOB + '''
+import itertools
 
-def _steps(model, batch, steps=3):
+
+def _steps(model, batches, steps=3, autocast=False, clip=None, log=False):
+    """AdamW over ``steps`` batches: one batch (a dict) every step, or an iterator of them. As the
+    recipes do when asked: the forward and loss under bf16 autocast, the gradients' norm clipped, the
+    loss logged each step (``loss.item()``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     kept = _extra()
-    for _ in range(steps):
-        loss = model(**batch).loss
+    batches = itertools.repeat(batches) if isinstance(batches, dict) else batches
+    for step, batch in zip(range(steps), batches):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if log:
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
     return kept
+
+
+def _materialise(model, config):
+    """A model built on meta and sharded, made real on the GPU and initialised as torchtitan does: each
+    matrix (linear, embedding, experts, router) N(0, 0.02), each norm's weight 1, RoPE's frequencies
+    the config's."""
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                param.normal_(0.0, 0.02) if param.ndim > 1 else param.fill_(1.0)
+        rotary = model.model.rotary_emb
+        inv_freq, _ = type(rotary).compute_default_rope_parameters(config)
+        rotary.inv_freq.copy_(inv_freq)
+        rotary.original_inv_freq.copy_(inv_freq)
 
 
 def gpt2_ddp():
@@ -240,17 +266,7 @@ def llama_fsdp2():
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.to_empty(device="cuda")
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.normal_(0.0, 0.02)
-            elif hasattr(module, "weight") and module.weight is not None:
-                module.weight.fill_(1.0)
-        dim = config.hidden_size // config.num_attention_heads  # RoPE's frequencies, Llama's default base
-        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float32) / dim)
-        model.model.rotary_emb.inv_freq.copy_(inv_freq)
-        model.model.rotary_emb.original_inv_freq.copy_(inv_freq)
+    _materialise(model, config)
     ids = torch.randint(0, config.vocab_size, (4, 1024), device="cuda")
     kept = _steps(model, {"input_ids": ids, "labels": ids})
     dist.destroy_process_group()
@@ -284,6 +300,139 @@ def bert_fsdp1():
 
 JOBS = {"gpt2_ddp": gpt2_ddp, "llama_fsdp2": llama_fsdp2, "bert_fsdp1": bert_fsdp1}
 '''
+
+# Models nobody here wrote (issue 54), FOREIGN's three and HUB_JOBS: transformers' conv nets, vision
+# transformers, an encoder-decoder and a mixture of experts, built from their configs and trained as
+# their users train them (a pinned DataLoader, channels_last, bf16 autocast or FSDP2's bf16 parameters,
+# AdamW, clipping, the loss logged with .item()). One module: FOREIGN's helpers and jobs are HUB's too.
+# FORCE_BALANCED_ROUTING=1 forces the MoE's routing to the one a fake GPU assumes, so a real GPU's
+# figure is the same routing's: HUB_REAL_ENV is what a run on a real GPU sets.
+HUB = FOREIGN + '''
+
+def _images(batch, steps=3, channels_last=True, size=224, classes=1000):
+    """The batches a torchvision-style loader hands over: from pinned host memory, copied without
+    blocking, in channels_last for a conv net."""
+    data = torch.utils.data.TensorDataset(torch.randn(batch * steps, 3, size, size),
+                                          torch.randint(0, classes, (batch * steps,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=True, drop_last=True)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    for images, labels in loader:
+        yield {"pixel_values": images.cuda(non_blocking=True).contiguous(memory_format=layout),
+               "labels": labels.cuda(non_blocking=True)}
+
+
+def _vision_ddp(build, batch, channels_last):
+    """An image classifier with DDP as the torchvision recipe trains it: bf16 autocast, clipping at 1,
+    the loss logged each step."""
+    _start()
+    torch.manual_seed(0)
+    model = build().cuda()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+    kept = _steps(model, _images(batch, channels_last=channels_last), autocast=True, clip=1.0, log=True)
+    dist.destroy_process_group()
+    return kept
+
+
+def resnet50_ddp():
+    """ResNet-50 (25.6M parameters), channels_last, 32 images of 224x224 a rank."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    return _vision_ddp(lambda: ResNetForImageClassification(ResNetConfig(num_labels=1000)), 32, channels_last=True)
+
+
+def vit_ddp():
+    """ViT-B/16 (86.6M parameters, SDPA attention), 32 images of 224x224 a rank."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return _vision_ddp(lambda: ViTForImageClassification(ViTConfig(num_labels=1000)), 32, channels_last=False)
+
+
+def swin_ddp():
+    """Swin-T (28.3M parameters), 32 images of 224x224 a rank."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    return _vision_ddp(lambda: SwinForImageClassification(SwinConfig(num_labels=1000)), 32, channels_last=False)
+
+
+def convnext_ddp():
+    """ConvNeXt-T (28.6M parameters), channels_last, 64 images of 224x224 a rank. (FSDP2 refuses
+    channels_last parameters: "FSDP does not support non-contiguous parameters yet".)"""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    return _vision_ddp(lambda: ConvNextForImageClassification(ConvNextConfig(num_labels=1000)), 64, channels_last=True)
+
+
+def t5_ddp():
+    """T5-small (60.5M parameters, an encoder-decoder) with DDP, as transformers' summarization example
+    trains it under the Trainer (bf16 autocast, gradients clipped at 1, the loss logged): 16 inputs of
+    512 tokens, targets of 128."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    _start()
+    torch.manual_seed(0)
+    config = T5Config(decoder_start_token_id=0)  # t5-small's, as its hub config says
+    model = torch.nn.parallel.DistributedDataParallel(T5ForConditionalGeneration(config).cuda(),
+                                                      device_ids=[torch.cuda.current_device()])
+    inputs = torch.randint(0, config.vocab_size, (16, 512), device="cuda")
+    labels = torch.randint(0, config.vocab_size, (16, 128), device="cuda")
+    kept = _steps(model, {"input_ids": inputs, "labels": labels}, autocast=True, clip=1.0, log=True)
+    dist.destroy_process_group()
+    return kept
+
+
+def _balanced_topk(experts):
+    """torch.topk, except over a router's ``experts`` scores: token t's j-th expert is (t*k + j) mod
+    experts (a fake GPU's balanced routing), its weight the score there. What it allocates is what topk
+    allocates: the indices and the values."""
+    topk = torch.topk
+
+    def forced(input, k, dim=-1, largest=True, sorted=True):
+        if input.shape[-1] != experts or dim not in (-1, input.ndim - 1):
+            return topk(input, k, dim, largest, sorted)
+        indices = torch.empty(*input.shape[:-1], k, dtype=torch.long, device=input.device)
+        torch.arange(indices.numel(), out=indices.view(-1))
+        indices.remainder_(experts)
+        return torch.return_types.topk((input.gather(-1, indices), indices))
+
+    return forced
+
+
+def mixtral_fsdp2():
+    """A Mixtral (8 experts, top-2, 4 layers of 1024, 277M parameters, transformers' grouped_mm experts)
+    trained as the llama job is (meta, FSDP2 per block, bf16 parameters, fp32 reduction), with the
+    router's auxiliary loss on, clipping and the loss logged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    _start()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    config = MixtralConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
+                           num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                           max_position_embeddings=2048, output_router_logits=True, router_aux_loss_coef=0.02)
+    if os.environ.get("FORCE_BALANCED_ROUTING") == "1":
+        torch.topk = _balanced_topk(config.num_local_experts)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    _materialise(model, config)
+    ids = torch.randint(0, config.vocab_size, (4, 1024), device="cuda")
+    kept = _steps(model, {"input_ids": ids, "labels": ids}, clip=1.0, log=True)
+    dist.destroy_process_group()
+    return kept
+
+
+JOBS = {**JOBS, "resnet50_ddp": resnet50_ddp, "vit_ddp": vit_ddp, "swin_ddp": swin_ddp,
+        "convnext_ddp": convnext_ddp, "t5_ddp": t5_ddp, "mixtral_fsdp2": mixtral_fsdp2}
+'''
+HUB_JOBS = ("resnet50_ddp", "vit_ddp", "swin_ddp", "convnext_ddp", "t5_ddp", "mixtral_fsdp2")
+HUB_REAL_ENV = {"mixtral_fsdp2": {"FORCE_BALANCED_ROUTING": "1"}}
 
 # A small FSDP2 job on the host (gloo): fully_shard over a 4-layer TransformerEncoder, the job on which
 # a new user's reshard_after_forward=False (+9 MiB of ~340) passed the old default tolerance (issue 36).
