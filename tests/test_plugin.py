@@ -46,6 +46,8 @@ def test_plain():
         ("max_ratio=-1", "max_ratio=-1 is not accepted: expected a number > 0"),
         ("nprocs=2", "unknown argument 'nprocs'"),
         ("tolerance='12 parsecs'", "tolerance='12 parsecs' is not accepted"),
+        ("nproc=[2, 8], max_ratio={2: 0.6}", "max_ratio={2: 0.6} is not accepted: it has no cap for nproc=8; give "
+                                             "one for each listed size above the reference nproc=1 (2, 8)"),
     ],
 )
 def test_bad_marker_is_a_collection_error_naming_test_and_argument(pytester, marker, message):
@@ -276,6 +278,38 @@ def test_flat():
         "*rank 0 peak, nproc 1: * MiB | 2: * MiB (*x) | 4: * MiB (*x) FAIL | 8: * MiB (*x) FAIL*",
         "*nproc=8 cpu MiB per rank {0: *, 1: *, 2: *, 3: *, 4: *, 5: *, 6: *, 7: *}*",
     ])
+
+
+def test_a_cap_per_size_fails_a_sharded_job_that_stops_shrinking_and_refresh_suggests_the_caps(
+        pytester, launch_tag):
+    """Issue 55: state sharded over the world shrinks with N; the twin that also gathers a buffer from
+    every rank passes at 2 and fails at 8 with no baseline stored, and the refresh prints the caps each
+    test would pass with."""
+    pytester.makepyfile('''
+import os
+import pytest
+
+MiB = 1024 * 1024
+CAPS = {2: 0.65, 8: 0.3}
+
+def shard():
+    return bytearray(64 * MiB // int(os.environ["WORLD_SIZE"]))
+
+@pytest.mark.gpumem(nproc=[2, 8], max_ratio=CAPS)
+def test_sharded():
+    state = shard()
+
+@pytest.mark.gpumem(nproc=[2, 8], max_ratio=CAPS)
+def test_gathers_from_every_rank():
+    state, gathered = shard(), bytearray(int(os.environ["WORLD_SIZE"]) * 2 * MiB)
+''')
+    result = pytester.runpytest("--gpumem", "--gpumem-refresh", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 0 at nproc=8 (cpu): peak * MiB > 0.30 x * MiB (nproc=1) + 0 MiB = * MiB*"])
+    assert "at nproc=2 (cpu): peak" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*ratio limits this run suggests*",
+                                 "*::test_sharded: max_ratio={2: 0.*, 8: 0.*} (measured 0.5*x at 2, 0.2*x at 8, "
+                                 "each + 0.02; the marker has {2: 0.65, 8: 0.3})"])
 
 
 def test_fast_rank_exit_still_runs_the_frameworks_exit_handlers(pytester, launch_tag, tmp_path):

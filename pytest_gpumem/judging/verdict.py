@@ -298,18 +298,19 @@ def judge(
             if value is not None:
                 check("max_mib", spec.max_mib, value <= spec.max_mib, "max_mib {limit} MiB", value,
                       who, figure)
-        if spec.max_ratio is not None and n > ref and one is not None:
+        cap = spec.max_ratio.at(n) if spec.max_ratio is not None else None
+        if cap is not None and n > ref and one is not None:
             reference, value, figure = ratio_figures(spec, one, result)
             who = result.read(spec.rank, figure)[0]
             if reference is not None and value is not None:
-                limit = spec.max_ratio * reference + spec.allow_mib
+                limit = cap * reference + spec.allow_mib
                 ratio = (f"ratio {value / reference:.2f}x" if reference > 0
                          else f"no ratio: the nproc={ref} peak is 0 MiB")
                 check(
                     "max_ratio",
                     limit,
                     value <= limit,
-                    f"{spec.max_ratio:.2f} x {{reference}} MiB (nproc={ref}) + {spec.allow_mib:.0f} MiB"
+                    f"{cap:.2f} x {{reference}} MiB (nproc={ref}) + {spec.allow_mib:.0f} MiB"
                     f" = {{limit}} MiB ({ratio})",
                     value, who, figure, reference,
                 )

@@ -71,13 +71,14 @@ _LIMIT_STYLE = {
 _FIGURE_NAME = {"device": "device figure", "allocated": "allocated", "host": "live allocations"}
 
 
-def _limit_label(record: TestRecord, kind: str, limit: float, figure: str) -> str:
+def _limit_label(record: TestRecord, kind: str, limit: float, figure: str, nproc: int) -> str:
     limits = record.limits
     of = f" [{_FIGURE_NAME[figure]}]" if figure in _FIGURE_NAME else ""
     if kind == "max_mib":
         return f"max_mib {limit:.0f}{of}"
-    if kind == "max_ratio":
-        return (f"ratio limit {limits.max_ratio:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
+    cap = limits.max_ratio.at(nproc) if limits.max_ratio is not None else None
+    if kind == "max_ratio" and cap is not None:
+        return (f"ratio limit {cap:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
                 f"= {limit:.0f}{of}")
     return f"baseline + tolerance = {limit:.0f}{of}"
 
@@ -98,7 +99,8 @@ def _limits(record: TestRecord, size: SizeRecord) -> list[tuple[float, str, dict
         style = dict(_LIMIT_STYLE.get(check.kind, {"color": "0.5", "linestyle": "-."}))
         if check.figure == "allocated":
             style["color"] = "tab:purple" if check.kind != "baseline" else "mediumpurple"
-        lines.append((check.limit_mib, _limit_label(record, check.kind, check.limit_mib, check.figure), style))
+        label = _limit_label(record, check.kind, check.limit_mib, check.figure, size.nproc)
+        lines.append((check.limit_mib, label, style))
     return lines
 
 

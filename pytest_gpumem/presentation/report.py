@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..judging.record import SizeRecord, TestRecord
+from ..judging.suggest import HEADROOM, measured_ratios, suggested_ratio
 from ..sampling.allocations import is_allocation_method
 
 # The headings failures are listed under, by cause (record.CAUSES): a crash is not a limit.
@@ -148,6 +149,20 @@ def refresh_lines(records: Iterable[TestRecord]) -> list[str]:
     return lines
 
 
+def suggestion_lines(records: Iterable[TestRecord]) -> list[str]:
+    """``test: max_ratio={2: 0.78, 8: 0.6} (measured 0.76x at 2, 0.58x at 8, each + 0.02)`` per test with
+    a ratio, for the refresh that recorded a healthy run."""
+    lines = []
+    for record in records:
+        ratio = suggested_ratio(record)
+        if ratio is None:
+            continue
+        measured = ", ".join(f"{r:.2f}x at {n}" for n, r in measured_ratios(record).items())
+        now = f"; the marker has {record.limits.max_ratio}" if record.limits.max_ratio is not None else ""
+        lines.append(f"{record.test}: max_ratio={ratio} (measured {measured}, each + {HEADROOM}{now})")
+    return lines
+
+
 def summary(records: Sequence[TestRecord], baselines: Path, plots: Sequence[Path] = (),
             plots_dir: Path | None = None) -> list[tuple[str | None, list[str]]]:
     """The session's terminal summary as ``(section title, lines)``: the table, a section per cause
@@ -158,6 +173,10 @@ def summary(records: Sequence[TestRecord], baselines: Path, plots: Sequence[Path
     refreshed = refresh_lines(records)
     if refreshed:
         sections.append((f"baselines refreshed in {baselines}", refreshed))
+        suggested = suggestion_lines(r for r in records if r.baseline_changes)
+        if suggested:
+            sections.append(("ratio limits this run suggests (memory that shrinks with N takes a cap per size)",
+                             suggested))
     if plots:
         sections.append((None, [f"gpumem: {len(plots)} plot{'s' if len(plots) > 1 else ''} written to {plots_dir}"]))
     return sections

@@ -35,6 +35,20 @@ def test_a_ratio_against_a_named_reference_gates_only_the_sizes_above_it():
     assert judge(s, [result(1, 100), result(2, 400, 400), result(8, *[420] * 8)]).passed
 
 
+# FSDP2 on 8 GPUs as a new user measured it (issue 55), rank 0's allocator figure against nproc=1: healthy
+# 0.51x at 2 and 0.22x at 8; logits all-gathered 0.33x at 8; reshard_after_forward=False 0.28x at 8.
+# A flat cap that lets the healthy 2 through (>= 0.51) lets both regressions through at 8.
+@pytest.mark.parametrize("at_8, caught", [(0.22, False), (0.33, True), (0.28, True)])
+def test_a_cap_per_size_catches_a_sharded_job_that_stops_shrinking(at_8, caught):
+    sizes = [result(1, 10000), result(2, 5100, 5100), result(8, *[10000 * at_8] * 8)]
+    assert judge(spec(nproc=[2, 8], max_ratio=0.55), sizes).passed
+    per_size = judge(spec(nproc=[2, 8], max_ratio={2: 0.55, 8: 0.25}), sizes)
+    assert per_size.passed is not caught
+    if caught:
+        assert [c.world_size for c in per_size.failures] == [8]
+        assert f"> 0.25 x 10000.0 MiB (nproc=1) + 0 MiB = 2500.0 MiB (ratio {at_8:.2f}x)" in per_size.render()
+
+
 def test_healthy_ddp_passes_with_allowance():
     s = spec(nproc=[1, 8], max_ratio=1.0, allow_mib=512)
     assert judge(s, [result(1, 5592), result(8, *[5920] * 8)]).passed
