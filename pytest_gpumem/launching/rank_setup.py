@@ -108,8 +108,11 @@ class RankSetup:
     def env(self, spec: Spec, plan: GpuPlan, history: bool) -> dict[str, str]:
         """The ranks' environment: the session's switches, what they measure, the marker's env, the GPUs."""
         # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
+        # A fake GPU keeps its history in every launch: its one figure's curve, and no relaunch for sites.
+        fake = bool(plan.fake_gpu) and self.sites != "off"
+        keep_history = history or self.gpu_history or self.sites == "on" or fake
         side_env = {ROOTDIR_ENV: str(self.rootdir), SITES_ENV: "0" if self.sites == "off" else "1",
-                    HISTORY_ENV: "1" if history or self.gpu_history or self.sites == "on" else "0",
+                    HISTORY_ENV: "1" if keep_history else "0",
                     PYTHON_ALLOCATIONS_ENV: self.python_allocations}
         if self.snapshot:
             side_env[SNAPSHOT_ENV] = "1"

@@ -102,7 +102,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             if m.uncounted:
                 predicted += f", **without its {', '.join(m.uncounted)}**"
             peak += f" ({size.gated_label}, {size.device}{predicted})"
-        if size.allocated_mib is not None:
+        if size.allocated_mib is not None and not m.fake_gpu:  # a fake GPU's gated figure is the allocator's
             peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x" + _against(record)
         nproc = f"{size.nproc}" + ("\\*" if m.reused else "") + (" (reference)" if record.unlisted(size) else "")
@@ -190,10 +190,7 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                   "each alone with a stand-in communicator: allocator figure exact, device and host figures "
                   "without the communicator's buffers)" for rec in records for size in rec.sizes
                   if size.measured.simulated and not size.measured.fake_gpu)
-    legend.extend(f"fake GPU: nproc={size.nproc} of `{rec.test}` on a fake {size.measured.fake_gpu} "
-                  "(every CUDA tensor fake: the allocator figure as torch would count it on that model; "
-                  "no device figure: no CUDA context, NCCL buffers or allocator cache)"
-                  for rec in records for size in rec.sizes if size.measured.fake_gpu)
+    legend.extend(_fake_gpu_footnote(rec) for rec in records if any(size.measured.fake_gpu for size in rec.sizes))
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -209,6 +206,15 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
         omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report |" + " |" * (6 + with_floor)]
     text = "\n".join(head + table_head + kept + omitted + tail) + "\n"
     return text if len(text) <= max_chars else text[: max_chars - 2] + "…\n"
+
+
+def _fake_gpu_footnote(record: TestRecord) -> str:
+    """One line per test, its fake sizes together."""
+    fake = [size for size in record.sizes if size.measured.fake_gpu]
+    sizes = ", ".join(str(size.nproc) for size in fake)
+    return (f"fake GPU: nproc={sizes} of `{record.test}` on a fake {fake[0].measured.fake_gpu} (every CUDA tensor "
+            "fake: every limit reads the allocator figure as torch would count it on that model; a real GPU holds "
+            "more: the CUDA context, the communicator's buffers, the allocator's cache)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +246,8 @@ def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
             extra.append(f"verdict {rec.size_verdict(size)}")
             out.append({"name": benchmark_name(rec, size.nproc), "unit": "MiB",
                         "value": round(size.gated_mib, 2), "extra": ", ".join(e for e in extra if e)})
-            if size.allocated_mib is not None:  # the exact series: a 1% step shows, the cache does not
+            if size.allocated_mib is not None and not size.measured.fake_gpu:  # the exact series (a fake
+                # GPU's gated figure is it already): a 1% step shows, the cache does not
                 out.append({"name": benchmark_name(rec, size.nproc) + " allocated", "unit": "MiB",
                             "value": round(size.allocated_mib, 2),
                             "extra": f"gpu, the allocator's peak of live tensors, verdict {rec.size_verdict(size)}"})
@@ -282,7 +289,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         if size.predicted:
             props.append((f"{key}_predicted", size.basis))
         if size.measured.simulated:
-            props.append((f"{key}_simulated", ",".join(map(str, size.measured.simulated))))
+            props.append((f"{key}_simulated_ranks", ",".join(map(str, size.measured.simulated))))
         if size.measured.fake_gpu:
             props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
     return props

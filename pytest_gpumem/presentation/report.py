@@ -95,10 +95,10 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         out.append("/N: the ratio is taken against nproc=N, the reference the marker names")
     by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
     if by_allocator:
-        peak = ("what nvidia-smi shows" if not any(size.measured.fake_gpu for size in by_allocator) else
-                "the allocator's figure too (a fake GPU has no device figure)" if all(size.measured.fake_gpu for size in
-                                                                                     by_allocator) else
-                "what nvidia-smi shows, or on a fake GPU the allocator's figure (it has no device figure)")
+        fake = [size.measured.fake_gpu for size in by_allocator]
+        peak = ("what nvidia-smi shows" if not any(fake) else
+                "the allocator's figure too (on a fake GPU every limit reads it)" if all(fake) else
+                "the per-process figure of a real GPU, or on a fake GPU the allocator's figure")
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
                    f"which the ratio limit reads; the peak column is {peak}")
     if resident:
