@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -310,6 +311,22 @@ def test_gathers_from_every_rank():
     result.stdout.fnmatch_lines(["*ratio limits this run suggests*",
                                  "*::test_sharded: max_ratio={2: 0.*, 8: 0.*} (measured 0.5*x at 2, 0.2*x at 8, "
                                  "each + 0.02; the marker has {2: 0.65, 8: 0.3})"])
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="a machine with a GPU: device='auto' reads it")
+def test_a_cuda_error_under_device_auto_without_a_gpu_says_to_mark_it_device_gpu(pytester, launch_tag):
+    """Issue 55: the error torch's CPU build raises (raised here without torch: this machine has no GPU)."""
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+def test_cuda_job():
+    raise AttributeError("module 'torch._C' has no attribute '_cuda_setDevice'")
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 0 of 1 failed: AttributeError: module 'torch._C' has no attribute *",
+                                 'hint: this job uses CUDA and this machine has no GPU: mark it device="gpu" *'])
 
 
 def test_fast_rank_exit_still_runs_the_frameworks_exit_handlers(pytester, launch_tag, tmp_path):

@@ -148,7 +148,8 @@ class Launches:
             untracked_host=self.setup.track_host == "auto" and not self.setup.tracks_host(spec, plan),
             context=failures.LaunchContext(marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
                                            timeout=spec.timeout, body_mode=spec.body_mode,
-                                           fail_fast_grace=self.fail_fast_grace))
+                                           fail_fast_grace=self.fail_fast_grace,
+                                           without_gpu=spec.device == "auto" and plan.gpu_name is None))
         run = read_size_run(spec, nproc, workdir, launch, host, plan, reading, started_at)
         if simulated:
             run = _as_world(run, simulated, world)
