@@ -258,8 +258,9 @@ def test_small():
     assert len(ballast) > 0
 
 
-def test_one_to_eight_ranks_report_every_size_and_name_the_first_that_breaks(pytester, launch_tag):
-    """The 1 -> 8 scaling logic on CPU: memory that grows with the world size fails at the first size over."""
+def test_one_to_eight_ranks_report_every_size_and_name_the_largest_growth(pytester, launch_tag):
+    """The 1 -> 8 scaling logic on CPU: memory that grows with the world size fails at every size over,
+    the headline naming the size furthest over its limit."""
     pytester.makepyfile('''
 import os
 import pytest
@@ -275,7 +276,7 @@ def test_flat():
     result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "gpumem: * MiB > * MiB (*nproc=4)*",
+        "gpumem: * MiB > * MiB (*nproc=8); 1 more limit exceeded",
         "*rank 0 peak, nproc 1: * MiB | 2: * MiB (*x) | 4: * MiB (*x) FAIL | 8: * MiB (*x) FAIL*",
         "*nproc=8 cpu MiB per rank {0: *, 1: *, 2: *, 3: *, 4: *, 5: *, 6: *, 7: *}*",
     ])

@@ -153,6 +153,12 @@ class Verdict:
         return [check for check in self.checks if not check.ok and check.advisory]
 
     @property
+    def worst(self) -> Check:
+        """The failed check furthest over its limit, relative to it: the headline names its size and
+        rank (the largest growth, not the first size that broke); the first of equals."""
+        return max(self.failures, key=_over)
+
+    @property
     def digits(self) -> int:
         """Decimals of every MiB figure in this verdict's output: enough that each failed comparison
         shows why it failed, and the same for all, so that one figure reads the same in every line."""
@@ -200,10 +206,9 @@ class Verdict:
         failures = self.failures
         digits = self.digits
         if failures:
-            first = failures[0]
             others = len(failures) - 1
             more = f"; {others} more limit{'s' if others > 1 else ''} exceeded" if others else ""
-            lines.append(f"gpumem: {first.headline(digits)}{more}")
+            lines.append(f"gpumem: {self.worst.headline(digits)}{more}")
         lines.extend(lead or [])
         lines.extend(f"  {check.text(digits)}" for check in failures)
         advisories = self.advisories
@@ -243,6 +248,13 @@ class Verdict:
                 lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _over(check: Check) -> float:
+    """How far a failed check is over its limit, as a share of it (a check without figures: 0)."""
+    if check.measured_mib is None or not check.limit_mib:
+        return 0.0
+    return check.measured_mib / check.limit_mib
 
 
 def simulated_ranks(result: SizeResult) -> str:

@@ -125,8 +125,9 @@ def _indent(text: str) -> str:
 
 
 def _md_messages(records: Sequence[TestRecord]) -> list[str]:
-    """The messages under a heading per cause ("Limits exceeded", "Crashed or hung", ...), each
-    failure with the peak sites that grew (the lines that hold the memory, top 3)."""
+    """The messages under a heading per cause ("Limits exceeded", "Crashed or hung", ...): a test's
+    first message (the limit furthest exceeded), what changed since its baseline and the peak sites
+    that grew (the lines that hold the memory, top 3), then its other messages."""
     out: list[str] = []
     headings = dict(_MD_SECTIONS)
     for cause in [c for c, _ in _MD_SECTIONS] + [None]:
@@ -137,10 +138,13 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
             messages = list(rec.messages)
             if not messages and cause == "crash":
                 messages = ["no measurement: see the test's output in the log"]
-            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
+            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages[:1])
+            if rec.changed_since_baseline:  # the answer first: what differs from the baseline's run
+                lines.append("  - changed since the baseline: " + "; ".join(map(_cell, rec.changed_since_baseline)))
             if rec.grown_sites:  # the line that holds the memory, top 3
                 lines.append(f"  - peak sites that grew since {rec.grown_against}: "
                              + ", ".join(f"`{_cell(c.brief())}`" for c in rec.grown_sites[:3]))
+            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages[1:])
         if lines:
             out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
     return out
