@@ -330,6 +330,31 @@ def test_cuda_job():
                                  'hint: this job uses CUDA and this machine has no GPU: mark it device="gpu" *'])
 
 
+def test_v_says_each_launch_s_shows_rank_0_live_and_a_failed_rank_quotes_its_own_output(pytester, launch_tag):
+    """Issue 55: 15 s with nothing on the screen, and a rank's prints never shown, even with -s."""
+    pytester.makepyfile('''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_prints():
+    for step in range(3):
+        print(f"rank {os.environ['RANK']} step {step}", flush=True)
+    assert os.environ["RANK"] == "0", "rank 1 lost its shard"
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-v", "-s")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["gpumem: *::test_prints nproc=2: launching",
+                                 "[[]rank 0] rank 0 step 0", "[[]rank 0] rank 0 step 2",
+                                 "gpumem: *::test_prints nproc=2: failed in * s"])
+    assert "[rank 0] rank 1" not in result.stdout.str()  # only rank 0 live
+    result.stdout.fnmatch_lines(["rank 1 of 2 failed: AssertionError: rank 1 lost its shard*",
+                                 "--- the rank's own output (all of it) ---", "rank 1 step 0", "rank 1 step 1",
+                                 "rank 1 step 2"])
+    quiet = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    assert "launching" not in quiet.stdout.str() and "[rank 0]" not in quiet.stdout.str()
+
+
 def test_fast_rank_exit_still_runs_the_frameworks_exit_handlers(pytester, launch_tag, tmp_path):
     """Ranks skip the interpreter's teardown, not atexit: frameworks shut down there (OneFlow's env)."""
     pytester.makepyfile(f'''

@@ -132,13 +132,18 @@ class RankSetup:
         return refused_at_fork or (refused if refused not in QUIET or self.start == "fork" else None)
 
 
-def pytest_argv(test_id: str, *, rootdir: Path, inipath: Path | None, xdist: bool, load_plugin: bool) -> list[str]:
+def pytest_argv(test_id: str, *, rootdir: Path, inipath: Path | None, xdist: bool, load_plugin: bool,
+                tee: bool = False) -> list[str]:
     """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games.
 
     ``xdist``: the ini's addopts may ask for workers, not inside a rank; ``load_plugin``: plugin
-    autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so the rank names this plugin itself."""
+    autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so the rank names this plugin itself; ``tee``:
+    the user's pytest runs with -s, so the body's output also goes to the rank's log as it is written
+    (rank 0's is shown live), besides the capture that a failure's text quotes."""
     path, _, rest = test_id.partition("::")
     args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--runxfail", "--rootdir", str(rootdir)]
+    if tee:  # -qq and no warnings summary: the body's own lines, little of the rank's pytest
+        args += ["--capture=tee-sys", "-q", "--disable-warnings"]
     if inipath is not None:
         args += ["-c", str(inipath)]
     if xdist:
