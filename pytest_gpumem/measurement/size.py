@@ -129,7 +129,9 @@ class SizeResult:
         return f"rank {rank}", None if peak is None else peak.mib
 
     def others_max(self, rank: int | str) -> float | None:
-        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != rank]
+        """The largest peak of the ranks not gated (under ``rank="all"``, all but the largest one)."""
+        gated = self.gated_rank(rank) if rank == "all" else rank
+        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != gated]
         return max(values) if values else None
 
     @property

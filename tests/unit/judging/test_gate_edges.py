@@ -244,8 +244,9 @@ def test_a_gated_rank_with_no_peak_at_all_fails_as_unmeasured():
 def test_others_max_is_the_largest_other_measured_rank():
     three = result(3, 600.0, 650.0, None)
     assert (three.others_max(0), three.others_max(1), three.others_max(2), three.others_max("all")) == (
-        650.0, 600.0, 650.0, 650.0)
+        650.0, 600.0, 650.0, 600.0)  # under rank="all" the others are all but the largest (issue 55)
     assert result(1, 500.0).others_max(0) is None and result(2, 500.0, None).others_max(0) is None
+    assert result(1, 500.0).others_max("all") is None  # one rank: no others
 
 
 def test_the_rendering_of_floors_resident_memory_nodes_and_predicted_sizes():
