@@ -299,6 +299,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "simulated": list(m.simulated),
         "fake_gpu": m.fake_gpu,
         "uncounted": list(m.uncounted),
+        "supplied": list(m.supplied),
         "allocated_ranks": _keyed(m.allocated, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
             None if a.reserved_mib is None else round(a.reserved_mib, 2))}),  # torch's: the one allocator read
         "allocated_mib": s.allocated_mib,

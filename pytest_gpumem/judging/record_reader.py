@@ -225,7 +225,8 @@ class _Reader(_Fields):
             live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"),
             start=self.text(raw, "start", where, ""),
             simulated=self._ranks(raw.get("simulated") or [], f"{where}.simulated"),
-            fake_gpu=self.text(raw, "fake_gpu", where, ""), uncounted=self.texts(raw, "uncounted", where))
+            fake_gpu=self.text(raw, "fake_gpu", where, ""), uncounted=self.texts(raw, "uncounted", where),
+            supplied=self.texts(raw, "supplied", where))
 
     def _peaks(self, raw: Mapping[str, Any], figures: str, methods: str, where: str) -> dict[int, Peak]:
         """Each rank's figure (``figures``: rank -> MiB or null) with how it was taken (``methods``)."""

@@ -344,6 +344,10 @@ def judge(
         extra_notes.append(f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): every limit reads the allocator "
                            "figure, what torch's caching allocator would count on that model; a real GPU holds "
                            "more (the CUDA context, the communicator's buffers, the allocator's cache)")
+        supplied = tuple(dict.fromkeys(line for r in fake for line in r.supplied))
+        if supplied:
+            extra_notes.append("the fake GPU supplied what fake tensors do not have (docs/fake-gpu.md, \"Values\"); "
+                               "the figure holds under these assumptions: " + "; ".join(supplied))
     simulated = [r for r in results if r.simulated and not r.fake_gpu]
     if simulated:
         sizes = ", ".join(str(r.world_size) for r in simulated)

@@ -54,6 +54,7 @@ def merged(runs: list[SizeRun], gpus: int) -> SizeRun:
         sites=_union([r.sites for r in results]), nodes=_union([r.nodes for r in results]),
         timeline=_curve(runs, "timeline"), live_timeline=_curve(runs, "live_timeline"), duration_s=seconds,
         simulated=ranks, uncounted=tuple(sorted({u for r in results for u in r.uncounted})),
+        supplied=tuple(dict.fromkeys(s for r in results for s in r.supplied)),
         sites_notes=tuple(dict.fromkeys(n for r in results for n in r.sites_notes)))
     cost = (f"nproc={result.world_size}: its {len(ranks)} simulated ranks ran {gpus} at a time (each alone on one "
             f"of {gpus} GPU(s)), {len(runs)} launches one after another, {seconds:.1f} s in all")

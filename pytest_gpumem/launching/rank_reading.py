@@ -103,6 +103,8 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         sites_notes=tuple(site_notes),
         fake_gpu=plan.fake_gpu or "",
         uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
+        supplied=tuple(dict.fromkeys(line for report in reports.values()
+                                     for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,

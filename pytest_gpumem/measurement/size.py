@@ -69,6 +69,9 @@ class SizeResult:
     # A simulated world: what the job asked for that the stand-in did not run, its memory missing
     # from the figure ("DDP comm hook 'keep_buckets'"); such a size reading below nproc=1 is not gated.
     uncounted: tuple[str, ...] = ()
+    # A fake GPU: what it supplied that fake tensors lack (values read, sizes assumed, compiled code run
+    # eagerly), each with the job's line (rankside.fakegpu.values): what the figure assumed.
+    supplied: tuple[str, ...] = ()
 
     @property
     def predicted(self) -> bool:

@@ -195,6 +195,8 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                   "without the communicator's buffers)" for rec in records for size in rec.sizes
                   if size.measured.simulated and not size.measured.fake_gpu)
     legend.extend(_fake_gpu_footnote(rec) for rec in records if any(size.measured.fake_gpu for size in rec.sizes))
+    legend.extend(f"fake GPU supplied, for `{rec.test}`: " + "; ".join(supplied)
+                  for rec in records if (supplied := _supplied(rec)))
     tail += ["", *legend]
     rows = [row for rec in records for row in _md_rows(rec, with_floor)]
     table_head = _table_head(with_floor)
@@ -296,7 +298,14 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
             props.append((f"{key}_simulated_ranks", ",".join(map(str, size.measured.simulated))))
         if size.measured.fake_gpu:
             props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
+        if size.measured.supplied:
+            props.append((f"{key}_fake_gpu_supplied", "; ".join(size.measured.supplied)))
     return props
+
+
+def _supplied(rec: TestRecord) -> tuple[str, ...]:
+    """What a fake GPU supplied in any of a test's sizes, each line once."""
+    return tuple(dict.fromkeys(line for size in rec.sizes for line in size.measured.supplied))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             predicted += f", fake {m.fake_gpu}" if m.fake_gpu else ", simulated" if m.simulated else ""
             predicted += ", comm hook not run" if m.uncounted else ""
+            predicted += ", values assumed" if m.supplied else ""
             gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])
             others = [(peak.mib, r) for r, peak in m.peaks.items() if r != size.gated_rank and peak.mib is not None]
             others_rss = bool(others) and _resident(size, [max(others)[1]])  # the rank "others max" shows

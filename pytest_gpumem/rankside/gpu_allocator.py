@@ -9,7 +9,7 @@ sites on, torch's allocator history (the Python stack of every block) from the m
 Nothing here starts CUDA: a rank that never touches the GPU stays off it (``device="auto"``
 decides on that). The history is armed with ``torch.cuda._lazy_call``, which runs right after the
 job's own first CUDA call; the peaks are reset where a test body starts, so a body's figure is its
-own (script mode: the whole program).
+own (script mode: the whole program). A job's own resets of the peaks do not reset the rank's figure.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class TorchAllocator:
         self.root = root
         self.recording = False
         self.problems: list[str] = []
+        self._held: dict[int, tuple[int, int]] = {}  # device -> (allocated, reserved) peaks before a job's reset
         self._figures: dict[str, Any] | None = None  # read where the body ended (body mode)
         self._until_s: float | None = None  # when it ended: later history is not the body's
 
@@ -50,12 +51,36 @@ class TorchAllocator:
         after_import("torch", self._on_torch)
 
     def _on_torch(self, torch: ModuleType) -> None:
+        self._hold_peaks_across_resets(torch)
         if not self.history:
             return
         try:
             torch.cuda._lazy_call(self._start_history)  # noqa: SLF001 - runs right after CUDA's init
         except Exception as exc:  # noqa: BLE001 - an unexpected torch: no sites, the figures stand
             self.problems.append(f"torch allocator history not armed ({exc!r})")
+
+    def _hold_peaks_across_resets(self, torch: ModuleType) -> None:
+        """A job may reset the allocator's peaks itself (torchtitan's memory monitor does at every log
+        step): it still reads its own peaks as on a GPU, but each peak is held here before it goes, so
+        the rank's figure is the peak of the whole body, whatever the job resets."""
+        original = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)  # noqa: SLF001 - what every reset calls
+        if original is None or getattr(original, "_gpumem_holds", False):
+            return
+
+        def reset(device: Any) -> Any:
+            try:
+                index = int(device) if device is not None else torch.cuda.current_device()
+                stats = torch.cuda.memory_stats(index)
+                held = self._held.get(index, (0, 0))
+                self._held[index] = (max(held[0], stats.get("allocated_bytes.all.peak", 0)),
+                                     max(held[1], stats.get("reserved_bytes.all.peak", 0)))
+            except Exception as exc:  # noqa: BLE001 - the figure stands as the allocator gives it
+                self.problems.append(f"a peak before the job's reset was not held ({exc!r})")
+            return original(device)
+
+        reset._gpumem_holds = True  # type: ignore[attr-defined]
+        reset._gpumem_original = original  # type: ignore[attr-defined]
+        torch._C._cuda_resetPeakMemoryStats = reset  # noqa: SLF001
 
     def _start_history(self) -> None:
         torch = sys.modules["torch"]
@@ -73,9 +98,12 @@ class TorchAllocator:
         torch = sys.modules.get("torch")
         if torch is None or not _cuda_ready(torch):
             return
+        reset = torch._C._cuda_resetPeakMemoryStats  # noqa: SLF001
+        reset = getattr(reset, "_gpumem_original", reset)  # the body's start holds nothing before it
+        self._held.clear()
         for device in _devices(torch):
             try:
-                torch.cuda.reset_peak_memory_stats(device)
+                reset(device)
             except Exception as exc:  # noqa: BLE001
                 self.problems.append(f"torch peak reset failed on cuda:{device} ({exc!r})")
 
@@ -116,8 +144,9 @@ class TorchAllocator:
         allocated = reserved = 0.0
         for device in devices:
             stats = torch.cuda.memory_stats(device)
-            allocated += stats.get("allocated_bytes.all.peak", 0) / MiB
-            reserved += stats.get("reserved_bytes.all.peak", 0) / MiB
+            held = self._held.get(device, (0, 0))
+            allocated += max(held[0], stats.get("allocated_bytes.all.peak", 0)) / MiB
+            reserved += max(held[1], stats.get("reserved_bytes.all.peak", 0)) / MiB
         return {"framework": "torch", "allocated_mib": allocated, "reserved_mib": reserved, "devices": devices}
 
     def _sites(self, torch: ModuleType, devices: list[int], allocated_mib: float) -> dict[str, Any]:

@@ -173,6 +173,9 @@ _FILLERS_BY_CONTRACT = {
     "rankside/simulate.py:all_gather_object", "rankside/simulate.py:gather_object",
     "rankside/simulate.py:scatter_object_list",
     "rankside/fakegpu/cuda_api.py:install_cuda_api", "rankside/fakegpu/dispatch.py:_storage_resize",
+    # the fake GPU's mends patch torch and the job's modules, and record into the value policy's collector
+    "rankside/fakegpu/dispatch.py:_compile_runs_eagerly", "rankside/fakegpu/dispatch.py:fake_call",
+    "rankside/fakegpu/dispatch.py:fakes_replaced", "rankside/gpu_allocator.py:_hold_peaks_across_resets",
     "oneflow/rendezvous.py:exec_and_wrap",
 }
 _MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "remove", "clear",

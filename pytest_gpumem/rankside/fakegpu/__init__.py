@@ -54,6 +54,12 @@ def _arm(torch: ModuleType, allocator: Any, model: Any) -> None:
     active["mode"] = dispatch.install_dispatch(torch, allocator, model)
 
 
+def supplied() -> list[str]:
+    """What this rank's fake GPU supplied that a fake tensor does not have (``values``): one line each."""
+    mode = active.get("mode")
+    return mode.policy.supplied.lines() if mode is not None else []
+
+
 def describe() -> dict[str, Any]:
     """What the exit report says of this rank's fake GPU ({} on a real one)."""
     model = active.get("model")
@@ -61,4 +67,4 @@ def describe() -> dict[str, Any]:
         return {}
     return {"model": model.name, "calibration": model.source, "measured_with": dict(model.measured_with),
             "cublas_workspace_mib": model.cublas_workspace / 2**20,
-            "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20}
+            "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20, "supplied": supplied()}

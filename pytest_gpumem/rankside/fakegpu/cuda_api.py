@@ -198,6 +198,11 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         def __exit__(self, *exc: Any) -> None:
             exchange(self.prev)
 
+    fractions: dict[int, float] = {}  # what the job set: kept for it to read back (a fake GPU never runs out)
+
+    def set_fraction(fraction: float, device: Any = None) -> None:
+        fractions[_index(device)] = fraction
+
     def memory_stats(device: Any = None) -> dict[str, int]:
         return allocator.stats(_index(device))
 
@@ -205,7 +210,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         return lambda device=None: allocator.stats(_index(device))[key]
 
     def reset_peak(device: Any = None) -> None:
-        allocator.reset_peak(_index(device))
+        torch._C._cuda_resetPeakMemoryStats(_index(device))  # noqa: SLF001 - where a real reset goes (and is watched)
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         used = allocator.stats(_index(device))["reserved_bytes.all.current"]
@@ -249,13 +254,17 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         "max_memory_reserved": stat("reserved_bytes.all.peak"),
         "reset_peak_memory_stats": reset_peak, "reset_max_memory_allocated": reset_peak,
         "reset_accumulated_memory_stats": noop, "mem_get_info": mem_get_info,
+        "set_per_process_memory_fraction": set_fraction,
+        "get_per_process_memory_fraction": lambda device=None: fractions.get(_index(device), 1.0),
     }
+    torch._C._cuda_resetPeakMemoryStats = allocator.reset_peak  # noqa: SLF001
     for name, value in replacements.items():
         setattr(cuda, name, _own(name, value))  # one function each: torch._dynamo maps them one to one
     memory = cuda.memory
     for name in ("memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
-                 "mem_get_info", "empty_cache"):
+                 "mem_get_info", "empty_cache", "set_per_process_memory_fraction",
+                 "get_per_process_memory_fraction"):
         setattr(memory, name, getattr(cuda, name))
     memory._record_memory_history = record_memory_history  # noqa: SLF001
     memory._snapshot = lambda device=None, **_: allocator.snapshot()  # noqa: SLF001

@@ -25,6 +25,8 @@ What a fake tensor cannot answer (an op whose output size depends on values: ``.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any
@@ -33,6 +35,7 @@ from ..imports import after_import
 from . import cuda_api
 from .accounting import FakeAllocator
 from .models import GpuModel
+from .values import ValuePolicy
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
 # (`--fulltrace` shows them): an error it raises is shown at the user's call.
@@ -58,6 +61,7 @@ inner = _Paused()  # >0: inside the fake mode's own dispatch (its decompositions
 
 def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> Any:
     """Enter the fake GPU for the rest of this process; returns the routing mode (entered)."""
+    from torch._ops import HigherOrderOperator
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -100,6 +104,15 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                 out = super().dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as exc:
                 raise FakeGpuError(_data_dependent(func, exc)) from None
+            except NotImplementedError:
+                # No shape rule (meta kernel) for a CUDA-only op, and fake mode's fallback would run it on
+                # the device: one that returns nothing (a fused optimizer's in-place step) has nothing to
+                # count; any other is named.
+                if not func._schema.returns:  # noqa: SLF001
+                    return None
+                raise FakeGpuError(f"a fake GPU has no shape rule for {str(func).replace('aten.', 'aten::', 1)} "
+                                   "(torch registers no meta kernel for it): run this test on a real GPU "
+                                   "(fake_gpu='off'), or report the op to pytest-gpumem") from None
             finally:
                 inner.depth -= 1
             if paused.depth or inner.depth:  # an op inside another (a decomposition): one kernel on the GPU
@@ -107,7 +120,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
             count(out)
             if func in resizes and args:
                 count(args[0])
-            packet = func.overloadpacket
+            packet = getattr(func, "overloadpacket", None)  # a higher-order operator has none
             if packet in gemm:
                 index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
                 if index is not None:
@@ -121,6 +134,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
 
     fake = CountingFakeMode(allow_non_fake_inputs=True)
     composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    cpu_key = torch._C.DispatchKey.CPU
     cuda_type = "cuda"
 
     def wants_fake(args: Any, kwargs: Any) -> bool:
@@ -133,18 +147,36 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
 
     initialised = {"done": False}  # the first op on a fake CUDA tensor is torch's lazy CUDA init
 
+    def fake_call(func: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(func, HigherOrderOperator) and CountingFakeMode not in func.python_key_table:
+            rule = func.python_key_table.get(FakeTensorMode)  # registered for torch's class, not a subclass
+            if rule is not None:
+                func.python_key_table[CountingFakeMode] = rule
+        with fake:
+            return func(*args, **kwargs)
+
+    policy = ValuePolicy(torch, FakeTensor, FakeGpuError, fake_call)
+
     class FakeGpuMode(TorchDispatchMode):
         """Sends every op that makes or touches a CUDA tensor to the fake mode; CPU ops run real."""
 
+        supports_higher_order_operators = True  # flex_attention & co.: fake mode has their shape rules
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if isinstance(func, HigherOrderOperator):
+                if wants_fake(args, kwargs or {}):
+                    return fake_call(func, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
             if any(is_wrapper(t) for t in types):
                 # A wrapper subclass (DTensor): let it unwrap with this mode still on, so what it does
                 # inside (its local ops, a CUDA RNG state it makes) comes back here.
                 return NotImplemented
             kwargs = kwargs or {}
-            if func.namespace == "aten" and func.has_kernel_for_dispatch_key(composite):
+            if (func.namespace == "aten" and func.has_kernel_for_dispatch_key(composite)
+                    and not func.has_kernel_for_dispatch_key(cpu_key)):
                 # Seen unexpanded under a subclass's dispatch (``to.dtype_layout`` in DTensor's RNG set-up):
                 # expand it here, so its parts come back one by one (fake mode would run it on the CPU).
+                # One with a kernel of its own (``silu_backward``, see _shape_rules) is one kernel on a GPU.
                 with self:
                     expanded = func.decompose(*args, **kwargs)
                 if expanded is not NotImplemented:
@@ -153,8 +185,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                 if not initialised["done"]:
                     initialised["done"] = True
                     cuda_api.initialise()
-                with fake:
-                    return func(*args, **kwargs)
+                return policy.run(func, args, kwargs)
             return func(*args, **kwargs)
 
     _storage_resize(torch, allocator)
@@ -170,8 +201,13 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     # moves it with a dispatched ``_to_copy``, as inside FakeTensorMode (torch's NOTE "torch.tensor,
     # lift_fresh, and device movement").
     torch._C._set_only_lift_cpu_tensors(True)
-    _keep_ties(torch)
+    _keep_ties(torch, FakeTensor)
+    _shape_rules(torch)
+    _compile_runs_eagerly(torch, policy.supplied)
+    _save_from_the_host(torch, FakeTensor)
+    after_import("torch.distributed.fsdp._fully_shard._fully_shard", _mend_fsdp2_move)  # the name its caller holds
     mode = FakeGpuMode()
+    setattr(mode, "policy", policy)  # what it supplied: fakegpu.supplied()
     mode.__enter__()
     return mode
 
@@ -244,20 +280,55 @@ class _QuietLogger:
         return getattr(self._logger, name)
 
 
-def _keep_ties(torch: ModuleType) -> None:
+def _keep_ties(torch: ModuleType, fake_type: Any) -> None:
     """``Module.cuda()``/``.to("cuda")`` keeps a real parameter's identity by giving it the moved data;
     a real tensor cannot take a fake one's (nor be swapped with it), so torch makes a new Parameter in
     each module that holds it, and a tied weight (transformers' input and output embeddings) would be
     moved twice and untied: twice its memory, its gradient and its optimizer state. Here a tensor is
-    moved once per call, and the modules that shared a parameter share its moved one."""
+    moved once per call, and the modules that shared a parameter share its moved one.
+
+    A parameter that is already fake (``.cuda().bfloat16()``, ``.to(memory_format=...)``) torch would
+    swap in place, which a fake tensor refuses (its fake mode holds a weak reference to it): it is
+    replaced by a new Parameter instead, with its gradient converted alike."""
     module_type = torch.nn.Module
+    parameter = torch.nn.Parameter
     original = module_type._apply
     depth = threading.local()
 
+    def fakes_replaced(module: Any, fn: Any, recurse: bool) -> Any:
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        order = list(module._parameters)
+        replaced: dict[str, Any] = {}
+        for name, param in module._parameters.items():
+            if param is None or not isinstance(param, fake_type):
+                continue
+            with torch.no_grad():
+                applied = fn(param)
+                grad = None if param.grad is None else fn(param.grad)
+            if applied is param:
+                replaced[name] = param
+                continue
+            new = parameter(applied, param.requires_grad)
+            if grad is not None:
+                new.grad = grad
+            replaced[name] = new
+        if not replaced:
+            return original(module, fn, False)
+        for name in replaced:
+            del module._parameters[name]
+        try:
+            return original(module, fn, False)  # the real parameters and the buffers, as torch moves them
+        finally:
+            kept = dict(module._parameters)
+            module._parameters.clear()
+            module._parameters.update((name, replaced[name] if name in replaced else kept[name]) for name in order)
+
     @functools.wraps(original)
     def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
-        if getattr(depth, "n", 0) or not recurse:
-            return original(self, fn, recurse)
+        if getattr(depth, "n", 0):
+            return fakes_replaced(self, fn, recurse)
         held = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
         moved: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (the tensor, kept alive; its moved copy)
 
@@ -268,7 +339,7 @@ def _keep_ties(torch: ModuleType) -> None:
 
         depth.n = 1
         try:
-            out = original(self, once, recurse)
+            out = fakes_replaced(self, once, recurse)
         finally:
             depth.n = 0
         first: dict[int, Any] = {}
@@ -281,6 +352,118 @@ def _keep_ties(torch: ModuleType) -> None:
         return out
 
     module_type._apply = _apply
+
+
+def _shape_rules(torch: ModuleType) -> None:
+    """Shape rules (meta kernels) torch lacks for CUDA ops a training job runs: the GRU cell that
+    ``nn.GRU`` takes where cuDNN is not used, and its backward.
+
+    And one kernel where the CUDA build has one: an op with a CPU kernel and a decomposition
+    (``silu_backward``, ``mish_backward``), or a fused CUDA-only one (``_fused_rms_norm``), has a CUDA
+    kernel in the CUDA build, but in the CPU
+    build a CUDA tensor takes the decomposition, whose intermediates (three activation-sized tensors
+    for SiLU's backward) a GPU never holds. Registering a CUDA kernel for it sends the op down whole,
+    to the fake mode, which runs it on its shape rule; the kernel itself never runs."""
+    library = torch.library.Library("aten", "IMPL")
+    _kept_libraries.append(library)
+
+    def no_kernel(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("pytest-gpumem's fake GPU: a CUDA op reached no fake tensor")
+
+    has = torch._C._dispatch_has_kernel_for_dispatch_key  # noqa: SLF001
+    for name in torch._C._dispatch_get_all_op_names():  # noqa: SLF001
+        if name.startswith("aten::") and has(name, "CompositeImplicitAutograd") and (
+                has(name, "CPU") or name in CUDA_ONLY_FUSED):
+            library.impl(name.removeprefix("aten::"), no_kernel, "CUDA")
+
+    def gru_cell(input_gates: Any, hidden_gates: Any, hx: Any, input_bias: Any = None, hidden_bias: Any = None) -> Any:
+        return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], hx.shape[1] * 5))
+
+    def gru_cell_backward(grad_hy: Any, workspace: Any, has_bias: bool) -> Any:
+        batch, hidden = grad_hy.shape
+        gates = grad_hy.new_empty((batch, 3 * hidden))
+        bias = grad_hy.new_empty((3 * hidden,)) if has_bias else grad_hy.new_empty((0,))
+        return gates, gates.new_empty(gates.shape), grad_hy.new_empty(grad_hy.shape), bias, bias.new_empty(bias.shape)
+
+    for name, rule in (("_thnn_fused_gru_cell", gru_cell), ("_thnn_fused_gru_cell_backward", gru_cell_backward)):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):  # noqa: SLF001
+            library.impl(name, rule, "Meta")
+
+
+def _compile_runs_eagerly(torch: ModuleType, supplied: Any) -> None:
+    """``torch.compile`` on a fake GPU: Inductor's kernels cannot be built without a device, and
+    Dynamo would fall back to eager under the fake mode anyway, without a word. The function or module
+    is returned as it is, and the report says the figure is the eager one (docs/fake-gpu.md: how far
+    a compiled job's figure was from eager on a GPU)."""
+    original = getattr(torch, "compile")
+
+    @functools.wraps(original)
+    def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile
+        if model is None:
+            return lambda fn: compile(fn, **kwargs)
+        if f"{os.sep}torch{os.sep}" not in sys._getframe(1).f_code.co_filename:  # noqa: SLF001 - torch's own: inside
+            name = getattr(model, "__qualname__", None) or type(model).__name__
+            supplied.add(f"compile: torch.compile({name}) ran eagerly (the figure is the eager job's)")
+        return model
+
+    setattr(torch, "compile", compile)
+
+
+def _save_from_the_host(torch: ModuleType, fake_type: Any) -> None:
+    """``torch.save`` of CUDA tensors (a checkpoint, a state dict) writes their values: a fake GPU's
+    are copied to the host first, through the value policy (known values, else zeros, reported)."""
+    from torch.utils._pytree import tree_map
+
+    original = getattr(torch, "save")
+
+    @functools.wraps(original)
+    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        def host(leaf: Any) -> Any:
+            return leaf.cpu() if isinstance(leaf, fake_type) and leaf.device.type == "cuda" else leaf
+
+        return original(tree_map(host, obj), *args, **kwargs)
+
+    setattr(torch, "save", save)
+    setattr(torch.serialization, "save", save)
+
+
+# Fused ops with a CUDA kernel only (none for the CPU, a decomposition elsewhere): RMSNorm on a GPU
+# holds its output and the inverse RMS, not the decomposition's five intermediates.
+CUDA_ONLY_FUSED = ("aten::_fused_rms_norm",)
+_kept_libraries: list[Any] = []  # a Library's registrations last as long as the object
+
+
+def _mend_fsdp2_move(module: ModuleType) -> None:
+    """FSDP2 moves a CPU module's parameters to its mesh's device with ``param.data = param.to(device)``:
+    a real tensor cannot take a fake one's data, so on a fake GPU each managed module's parameters
+    and buffers are replaced by their moved copies first, as ``Module.cuda()`` does, tied ones once."""
+    import torch
+
+    original = module._get_modules_and_states
+
+    @functools.wraps(original)
+    def get(arg_module: Any, device: Any, ignored_params: Any) -> Any:
+        if device is not None and torch.device(device).type == "cuda":
+            roots = arg_module if isinstance(arg_module, (list, tuple)) else [arg_module]
+            ignored = set(ignored_params or ())
+            moved: dict[int, Any] = {}
+            with torch.no_grad():
+                for root in roots:
+                    for owner in root.modules():
+                        for states, wrap in ((owner._parameters, True), (owner._buffers, False)):
+                            for name, tensor in list(states.items()):
+                                if tensor is None or tensor.device.type != "cpu" or tensor in ignored:
+                                    continue
+                                if id(tensor) not in moved:
+                                    copy = tensor.to(device)
+                                    moved[id(tensor)] = parameter_of(copy, tensor) if wrap else copy
+                                states[name] = moved[id(tensor)]
+        return original(arg_module, device, ignored_params)
+
+    def parameter_of(copy: Any, before: Any) -> Any:
+        return torch.nn.Parameter(copy, before.requires_grad)
+
+    setattr(module, "_get_modules_and_states", get)
 
 
 def _mend_ddp(module: ModuleType) -> None:

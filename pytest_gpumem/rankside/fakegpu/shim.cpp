@@ -4,8 +4,9 @@
 // without a CUDA device guard every copy into a fake CUDA tensor fails ("PyTorch is not linked with
 // support for cuda devices"), as does backward ("Cannot access accelerator device when none is
 // available"). c10's own FakeGuardImpl is the guard; the hooks say CUDA is built and available, with
-// no primary context, so nothing tries to start a real one.
+// no primary context, so nothing tries to start a real one; pinned memory is plain host memory.
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
 
@@ -19,6 +20,10 @@ struct GpumemFakeCUDAHooks final : CUDAHooksInterface {
   void init() const override {}
   DeviceIndex deviceCount() const override { return c10::impl::kFakeGuardImplMaxDevices; }
   int getNumGPUs() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  // Pinned host memory (pin_memory=True, a DataLoader's pinning thread) is host memory: plain CPU
+  // allocations here, and every host pointer reads as pinned (DDP's reducer asserts it of its own).
+  Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool isPinnedPtr(const void* /*data*/) const override { return true; }
 };
 C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, GpumemFakeCUDAHooks)
 }  // namespace at
