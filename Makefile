@@ -23,7 +23,7 @@ SMOKE := tests/test_install.py tests/unit/judging/test_gate_edges.py tests/unit/
 
 .PHONY: test test-long test-gpu gpu-wheels test-slurm lint docs reference docs-shots test-floor mutate dist-check demo demo-torch demo-oneflow baselines bench predict-validation venvs clean
 
-venvs: $(OF)/.ready $(TO)/.ready
+venvs: $(OF)/.ready $(TO)/.ready $(TO)/frameworks/.ready
 
 $(OF)/.ready: pyproject.toml
 	test -n "$(PY310)"
@@ -32,13 +32,18 @@ $(OF)/.ready: pyproject.toml
 	$(OF)/bin/python -m pip install -q -e ".[oneflow,xdist]"
 	touch $@
 
-$(TO)/.ready: pyproject.toml tests/frameworks.txt tests/frameworks-deepspeed.txt tests/frameworks-nodeps.txt
+# What `make demo` needs: torch's CPU build and the plugin. The test frameworks are `make test`'s ($(TO)/frameworks).
+$(TO)/.ready: pyproject.toml
 	test -n "$(PY311)"
 	$(PY311) -m venv $(TO)
 	$(TO)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU build on the index; a bare `torch` would pull a multi-GB CUDA build.
 	$(TO)/bin/python -m pip install -q "torch==2.13.0"
 	$(TO)/bin/python -m pip install -q -e ".[torch,xdist,plots,dev]"
+	touch $@
+
+$(TO)/frameworks/.ready: $(TO)/.ready tests/frameworks.txt tests/frameworks-deepspeed.txt tests/frameworks-nodeps.txt
+	rm -rf $(TO)/frameworks
 	# The frameworks of tests/jobs.py (FOREIGN, TORCH_ZERO, TORCH_ACCELERATE), apart from the venv: their
 	# pytest plugins (anyio's) would load in every rank of every other test (+0.3 s a start); the tests
 	# that run them put .venv-torch/frameworks on the path.
@@ -126,7 +131,7 @@ dist-check: $(TO)/.ready
 GPU_PYTHON ?= $(TO)/bin/python
 # What the GPU machine's Python (3.12, torch with CUDA) lacks, as wheels in .whl/ for the device to
 # carry: memray (kept in the repository), DeepSpeed (built here) and its dependencies.
-gpu-wheels: $(TO)/.ready
+gpu-wheels: $(TO)/frameworks/.ready
 	$(TO)/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 		-d .whl -r tests/frameworks-deepspeed.txt

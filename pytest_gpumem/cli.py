@@ -97,8 +97,9 @@ def _show(directory: Path, pattern: str | None) -> int:
         print(f"no baselines{where} under {directory}")
         return 0
     width = max(len(test) for test, *_ in rows)
+    nproc_width = max(3, *(len(str(nproc)) for _, _, nproc, _ in rows))  # nproc=1024 aligned with nproc=8
     for test, platform, nproc, entry in rows:
-        print(f"{test.ljust(width)}  nproc={nproc:<3d} {entry.gated_mib:>10.1f} MiB  "
+        print(f"{test.ljust(width)}  nproc={nproc:<{nproc_width}d} {entry.gated_mib:>10.1f} MiB  "
               f"rank {entry.rank}  {platform}  [{entry.method}]  {entry.provenance.get('date', '')}")
     return 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from .config.settings import Settings
 from .config.spec import Spec, Tolerance
@@ -320,15 +320,21 @@ def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
     return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}
 
 
+def sites_size(verdict: Verdict, launched: Mapping[int, Any]) -> int:
+    """The size whose grown sites explain the failure: the headline's (the check furthest over its
+    limit), else the largest failing size launched (a predicted failure), else the largest launched."""
+    failing = [verdict.worst.world_size, *sorted({c.world_size for c in verdict.failures}, reverse=True)]
+    return next((n for n in failing if n in launched), max(launched, default=0))
+
+
 def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
     """The gated rank's peak sites that grew at the failing size: against the ratio's reference (nproc=1
     unless the marker names one) for a scaling failure, against the baseline's sites for a baseline
     failure (see judging/growth.py)."""
     by_size = {r.world_size: r for r in test.results if not r.predicted}
-    failing = sorted({c.world_size for c in verdict.failures}, reverse=True)
-    if not by_size or not failing:
+    if not by_size or not verdict.failures:
         return None
-    size = next((n for n in failing if n in by_size), max(by_size))  # a predicted failure: the largest launched
+    size = sites_size(verdict, by_size)
     result = by_size[size]
     kinds = {c.kind for c in verdict.failures if c.world_size == size}
     entry = stored.get(size)
@@ -387,7 +393,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     new nn.Graph boxing; where the torch snapshots are."""
     sites: list[str] = []
     if grown is not None and (grown.grown or grown.summary()):
-        size = max((c.world_size for c in verdict.failures), default=0)
+        size = sites_size(verdict, {r.world_size: r for r in test.results if not r.predicted})
         if grown.of:  # rank="all": the rank that grew most over its own baseline
             sites.append(f"  peak sites of {grown.of} at nproc={size} that grew since its baseline:")
         elif test.spec.rank == "all":  # the largest rank, which may not be the reference's

@@ -24,6 +24,7 @@ from .rankside.rank import WORKDIR_ENV, declare_config
 if TYPE_CHECKING:
     from .gate import Outcome
     from .judging.record import TestRecord
+    from .launching.watch import Watch
     from .session import Session
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
@@ -230,13 +231,25 @@ class ParentSide:
             from .session import Session
 
             config = self.config
+            live = config.getoption("capture") == "no" and not self.is_worker  # -s: rank 0's output as it comes
             argv = functools.partial(pytest_argv, rootdir=Path(config.rootpath), inipath=config.inipath,
                                      xdist=config.pluginmanager.hasplugin("xdist"),
-                                     load_plugin=bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")))
+                                     load_plugin=bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")), tee=live)
             self._session = Session.from_settings(
                 self.settings, rootdir=Path(config.rootpath), cwd=Path(config.invocation_params.dir),
-                rank_pytest_args=argv, start_refusal=pytest_refusal(config.getini("faulthandler_timeout")))
+                rank_pytest_args=argv, start_refusal=pytest_refusal(config.getini("faulthandler_timeout")),
+                watch=self._watch(live))
         return self._session
+
+    def _watch(self, live: bool) -> Watch:
+        """-v: a line as each launch starts and ends; -s: rank 0's output as it is written."""
+        from .launching.watch import Watch
+
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is None or self.is_worker:  # an xdist worker's terminal is not the user's
+            return Watch()
+        verbose = self.config.get_verbosity() >= 1
+        return Watch(progress=terminal.write_line if verbose else None, echo=terminal.write_line if live else None)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .gate import Gate, Outcome
     from .launching.runner import Runner
     from .launching.scaling import Capacity
+    from .launching.watch import Watch
 
 # The machinery (gate, runner, NVML, leases, baselines, psutil, filelock) is imported when a session
 # is built, at the first gpumem test that runs: every pytest session where the plugin is installed
@@ -60,13 +61,15 @@ class Session:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, rootdir: Path, cwd: Path,
-                      rank_pytest_args: Callable[[str], list[str]], start_refusal: str | None = None) -> Session:
-        """Everything a launch needs, from ``settings`` alone (and what only the caller knows)."""
+                      rank_pytest_args: Callable[[str], list[str]], start_refusal: str | None = None,
+                      watch: Watch | None = None) -> Session:
+        """Everything a launch needs, from ``settings`` alone (and what only the caller knows: the
+        rank's pytest, where the launches' progress and rank 0's output go)."""
         from .gate import Gate
         from .judging.baseline import BaselineStore
 
-        return cls(settings=settings, runner=_runner(settings, rootdir, cwd, rank_pytest_args, start_refusal),
-                   gate=Gate(settings, BaselineStore(settings.baselines)))
+        runner = _runner(settings, rootdir, cwd, rank_pytest_args, start_refusal, watch)
+        return cls(settings=settings, runner=runner, gate=Gate(settings, BaselineStore(settings.baselines)))
 
     @property
     def capacity(self) -> Capacity:
@@ -91,7 +94,7 @@ class Session:
 
 
 def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
-            start_refusal: str | None) -> Runner:
+            start_refusal: str | None, watch: Watch | None = None) -> Runner:
     from .launching.floor_cache import FloorCache
     from .launching.gpus import FakeGpus, GpuPlanner
     from .launching.launcher import LauncherOptions
@@ -127,4 +130,5 @@ def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Call
         fail_fast_grace=settings.fail_fast_grace,
         startups=Startups(settings.host_startup, settings.startup_cache, rootdir),
         fake_gpus=FakeGpus(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE),
+        watch=watch,
     )

@@ -475,6 +475,76 @@ def test_fsdp2(group):
 '''
 
 
+# A job whose memory should shrink with N (issue 55): a small language model sharded with FSDP2 on the
+# host (gloo; every size above 1 simulated), gated by a cap per size that `gpumem refresh` suggested from
+# the healthy job (its ratio + 0.02). FSDP2_BUG switches on one of four regressions, each of which keeps
+# the ratio at 8 above its cap with no baseline stored: the logits all-gathered, reshard_after_forward=False,
+# an EMA of the full (unsharded) parameters, an optimizer built before fully_shard (it keeps the full
+# parameters and their state). Figures: benchmarks/results/shrinking_ratio.txt.
+HOST_FSDP2_SHRINK = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+VOCAB, WIDTH, LAYERS = 8192, 512, 6
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(WIDTH, 8, 4 * WIDTH, batch_first=True) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.gpumem(nproc=[2, 8], device="cpu", simulate="on", max_ratio={2: 0.79, 8: 0.61})
+def test_fsdp2_shrinks(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    bug = os.environ.get("FSDP2_BUG", "")
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = LM()
+    stale = torch.optim.Adam(model.parameters(), lr=1e-3) if bug == "optimizer_before_shard" else None
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=bug != "no_reshard")
+    fully_shard(model, mesh=mesh, reshard_after_forward=bug != "no_reshard")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ema = [p.full_tensor().detach().clone() for p in model.parameters()] if bug == "ema_full" else None
+    ids = torch.randint(0, VOCAB, (4, 128))
+    for _ in range(3):
+        logits = model(ids)
+        if bug == "gather_logits":
+            logits = torch.cat(torch.distributed.nn.functional.all_gather(logits))
+        loss = logits.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if stale is not None:
+            stale.step()
+        if ema is not None:
+            for kept, p in zip(ema, model.parameters()):
+                kept.lerp_(p.full_tensor(), 0.01)
+'''
+
+
 # A tensor-parallel job whose smallest world is 2: a (dp, tp=2) mesh, ColwiseParallel/RowwiseParallel
 # on "tp", fully_shard on "dp"; its ratio is taken against nproc=2 (reference=2), dp scaling with tp
 # fixed. The inflated twin gathers every dp rank's 32 MiB activation (grows with dp, as boxing did).

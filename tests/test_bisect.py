@@ -24,6 +24,7 @@ from conftest import OWN_CACHES, TAG_ENV, processes_tagged
 from pytest_gpumem.bisect.command import _line, last_line
 from pytest_gpumem.bisect.commits import Commit, between, resolve_commit
 from pytest_gpumem.bisect.search import Judge, search, site_lines
+from pytest_gpumem.bisect.workspace import _tail
 from pytest_gpumem.config.spec import Tolerance
 from pytest_gpumem.judging.record import SizeRecord
 from pytest_gpumem.measurement.size import SizeResult
@@ -231,6 +232,25 @@ def test_site_lines_is_empty_without_sites():
     assert site_lines(shrunk, _size({"0": []})) == []
     smaller = _size({"0": [{"mib": 4.0, "count": 1, "where": "a.py:1", "function": "f", "detail": ""}]})
     assert site_lines(shrunk, smaller) == ["(1 site shrank by 1.0 MiB)"]
+
+
+COLLECT_LOG = """
+==================================== ERRORS ====================================
+_________________________ ERROR collecting test_job.py _________________________
+test_job.py::test_job: invalid gpumem marker: unknown argument 'nprocs': did you mean 'nproc'? accepted are nproc
+=========================== short test summary info ============================
+ERROR test_job.py - test_job.py::test_job: invalid gpumem marker: unknown arg...
+no tests collected, 1 error in 0.00s
+ERROR: found no collectors for /tmp/w/test_job.py::test_job
+"""
+
+
+def test_a_commit_that_does_not_collect_is_named_by_its_reason_not_pytests_last_line():
+    """Issue 55: a marker argument spelled as an earlier version accepted it read 'found no collectors'."""
+    assert _tail(COLLECT_LOG) == ("test_job.py::test_job: invalid gpumem marker: unknown argument 'nprocs': "
+                                  "did you mean 'nproc'? accepted are nproc")
+    assert _tail("E   SyntaxError: invalid syntax\nERROR: found no collectors for x") == "SyntaxError: invalid syntax"
+    assert _tail("1 passed in 0.1s") == "1 passed in 0.1s"
 
 
 # ---------------------------------------------------------------------------------------------- real bisects

@@ -210,7 +210,7 @@ def test_ddp_passes_and_its_all_gathering_twin_fails_at_2_and_8_naming_the_gathe
     if ON_FAKE:
         result.stdout.fnmatch_lines(["*rank 0 at nproc=2 (gpu, allocated, fake GPU): peak * MiB > 1.05 x *"])
         result.stdout.fnmatch_lines(
-            ["*the peak column is the allocator's figure too (a fake GPU has no device figure)"])
+            ["*the peak column is the allocator's figure too (on a fake GPU every limit reads it)"])
         assert "the peak column is what nvidia-smi shows" not in result.stdout.str()
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import cli
+from pytest_gpumem.config.spec import Ratio
 from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import CheckRecord, Limits, SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
@@ -53,7 +54,8 @@ def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None =
     """``status`` as pytest says it, a failure with its cause: ``failed/limit``, ``xfailed/limit``, ``failed/crash``."""
     status, _, cause = status.partition("/")
     return TestRecord(test=test, status=status, nproc=tuple(s.nproc for s in sizes) or (2,),
-                      limits=Limits(max_mib=max_mib, max_ratio=1.2, allow_mib=16.0, rank=rank, tolerance=tolerance),
+                      limits=Limits(max_mib=max_mib, max_ratio=Ratio(flat=1.2), allow_mib=16.0, rank=rank,
+                                    tolerance=tolerance),
                       sizes=sizes, messages=tuple(messages or ()), cause=cause or None)
 
 
@@ -392,6 +394,22 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
     table = outputs.diff_table(diff)
     assert "t/a.py::test_x nproc=2: peak sites that grew" in table
     assert "**Peak sites that grew**" in outputs.diff_markdown(diff)
+
+
+def test_the_markdown_leads_each_failure_with_what_changed_since_the_baseline_and_the_top_grown_site():
+    """Issue 55: the declared config change, the whole answer, was missing from the pull request's summary."""
+    from pytest_gpumem.judging.record import SiteChange
+
+    failing = dataclasses.replace(
+        rec("t/a.py::test_x", "failed/limit", size(8, 700.0, 400.0), messages=["worst: at nproc=8", "also: at 1"]),
+        changed_since_baseline=("config.activation_checkpoint: True -> False",),
+        grown_sites=(SiteChange("examples/a.py:57 train_step", 0.0, 256.0),), grown_against="the baseline")
+    lines = outputs.markdown([failing]).splitlines()
+    first = lines.index("- **failed** `t/a.py::test_x`: worst: at nproc=8")
+    assert lines[first + 1:first + 4] == [
+        "  - changed since the baseline: config.activation_checkpoint: True -> False",
+        "  - peak sites that grew since the baseline: `+256.0 MiB  examples/a.py:57 train_step  (new)`",
+        "- **failed** `t/a.py::test_x`: also: at 1"]
 
 
 def test_the_allocator_figure_is_in_every_output():

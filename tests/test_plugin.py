@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,8 @@ def test_plain():
         ("max_ratio=-1", "max_ratio=-1 is not accepted: expected a number > 0"),
         ("nprocs=2", "unknown argument 'nprocs'"),
         ("tolerance='12 parsecs'", "tolerance='12 parsecs' is not accepted"),
+        ("nproc=[2, 8], max_ratio={2: 0.6}", "max_ratio={2: 0.6} is not accepted: it has no cap for nproc=8; give "
+                                             "one for each listed size above the reference nproc=1 (2, 8)"),
     ],
 )
 def test_bad_marker_is_a_collection_error_naming_test_and_argument(pytester, marker, message):
@@ -255,8 +258,9 @@ def test_small():
     assert len(ballast) > 0
 
 
-def test_one_to_eight_ranks_report_every_size_and_name_the_first_that_breaks(pytester, launch_tag):
-    """The 1 -> 8 scaling logic on CPU: memory that grows with the world size fails at the first size over."""
+def test_one_to_eight_ranks_report_every_size_and_name_the_largest_growth(pytester, launch_tag):
+    """The 1 -> 8 scaling logic on CPU: memory that grows with the world size fails at every size over,
+    the headline naming the size furthest over its limit."""
     pytester.makepyfile('''
 import os
 import pytest
@@ -272,10 +276,83 @@ def test_flat():
     result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "gpumem: * MiB > * MiB (*nproc=4)*",
+        "gpumem: * MiB > * MiB (*nproc=8); 1 more limit exceeded",
         "*rank 0 peak, nproc 1: * MiB | 2: * MiB (*x) | 4: * MiB (*x) FAIL | 8: * MiB (*x) FAIL*",
         "*nproc=8 cpu MiB per rank {0: *, 1: *, 2: *, 3: *, 4: *, 5: *, 6: *, 7: *}*",
     ])
+
+
+def test_a_cap_per_size_fails_a_sharded_job_that_stops_shrinking_and_refresh_suggests_the_caps(
+        pytester, launch_tag):
+    """Issue 55: state sharded over the world shrinks with N; the twin that also gathers a buffer from
+    every rank passes at 2 and fails at 8 with no baseline stored, and the refresh prints the caps each
+    test would pass with."""
+    pytester.makepyfile('''
+import os
+import pytest
+
+MiB = 1024 * 1024
+CAPS = {2: 0.65, 8: 0.3}
+
+def shard():
+    return bytearray(64 * MiB // int(os.environ["WORLD_SIZE"]))
+
+@pytest.mark.gpumem(nproc=[2, 8], max_ratio=CAPS)
+def test_sharded():
+    state = shard()
+
+@pytest.mark.gpumem(nproc=[2, 8], max_ratio=CAPS)
+def test_gathers_from_every_rank():
+    state, gathered = shard(), bytearray(int(os.environ["WORLD_SIZE"]) * 2 * MiB)
+''')
+    result = pytester.runpytest("--gpumem", "--gpumem-refresh", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 0 at nproc=8 (cpu): peak * MiB > 0.30 x * MiB (nproc=1) + 0 MiB = * MiB*"])
+    assert "at nproc=2 (cpu): peak" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*ratio limits this run suggests*",
+                                 "*::test_sharded: max_ratio={2: 0.*, 8: 0.*} (measured 0.5*x at 2, 0.2*x at 8, "
+                                 "each + 0.02; the marker has {2: 0.65, 8: 0.3})"])
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="a machine with a GPU: device='auto' reads it")
+def test_a_cuda_error_under_device_auto_without_a_gpu_says_to_mark_it_device_gpu(pytester, launch_tag):
+    """Issue 55: the error torch's CPU build raises (raised here without torch: this machine has no GPU)."""
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.gpumem(nproc=1)
+def test_cuda_job():
+    raise AttributeError("module 'torch._C' has no attribute '_cuda_setDevice'")
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 0 of 1 failed: AttributeError: module 'torch._C' has no attribute *",
+                                 'hint: this job uses CUDA and this machine has no GPU: mark it device="gpu" *'])
+
+
+def test_v_says_each_launch_s_shows_rank_0_live_and_a_failed_rank_quotes_its_own_output(pytester, launch_tag):
+    """Issue 55: 15 s with nothing on the screen, and a rank's prints never shown, even with -s."""
+    pytester.makepyfile('''
+import os
+import pytest
+
+@pytest.mark.gpumem(nproc=2)
+def test_prints():
+    for step in range(3):
+        print(f"rank {os.environ['RANK']} step {step}", flush=True)
+    assert os.environ["RANK"] == "0", "rank 1 lost its shard"
+''')
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-v", "-s")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["gpumem: *::test_prints nproc=2: launching",
+                                 "[[]rank 0] rank 0 step 0", "[[]rank 0] rank 0 step 2",
+                                 "gpumem: *::test_prints nproc=2: failed in * s"])
+    assert "[rank 0] rank 1" not in result.stdout.str()  # only rank 0 live
+    result.stdout.fnmatch_lines(["rank 1 of 2 failed: AssertionError: rank 1 lost its shard*",
+                                 "--- the rank's own output (all of it) ---", "rank 1 step 0", "rank 1 step 1",
+                                 "rank 1 step 2"])
+    quiet = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
+    assert "launching" not in quiet.stdout.str() and "[rank 0]" not in quiet.stdout.str()
 
 
 def test_fast_rank_exit_still_runs_the_frameworks_exit_handlers(pytester, launch_tag, tmp_path):

@@ -78,7 +78,7 @@ def test_inflating():
     result = run(pytester, f"--gpumem-report={report}")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "gpumem: * MiB > ratio limit * MiB (rank 0, nproc=2); 1 more limit exceeded",
+        "gpumem: * MiB > ratio limit * MiB (rank 0, nproc=4); 1 more limit exceeded",
         "*rank 0 at nproc=2 (cpu): peak * MiB > 1.20 x * MiB (nproc=1) + 0 MiB = * MiB (ratio *x)*",
         "*nproc=4 cpu MiB per rank {0: * on n1, 1: * on n1, 2: * on n2, 3: * on n2}*",
         "*gpumem: peak memory per rank*",

@@ -59,6 +59,28 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class Ratio:
+    """``max_ratio``: one cap for every size above the reference, or a cap per size. A job whose memory
+    should stay flat (data parallel) takes one; a job whose memory should shrink with N (FSDP, ZeRO)
+    takes one per size, since no single cap lets its healthy 2 through and stops a regressed 8."""
+
+    flat: float | None = None
+    sizes: tuple[tuple[int, float], ...] = ()  # (nproc, cap), sorted; used when ``flat`` is None
+
+    def at(self, nproc: int) -> float | None:
+        """The cap at ``nproc`` (None: no ratio check at that size)."""
+        return self.flat if self.flat is not None else dict(self.sizes).get(nproc)
+
+    def to_json(self) -> float | dict[str, float]:
+        return self.flat if self.flat is not None else {str(n): cap for n, cap in self.sizes}
+
+    def __str__(self) -> str:
+        if self.flat is not None:
+            return f"{self.flat:g}"
+        return "{" + ", ".join(f"{n}: {cap:g}" for n, cap in self.sizes) + "}"
+
+
+@dataclass(frozen=True)
 class Tolerance:
     """Allowed drift above a baseline: a relative part, an absolute part, or both: the larger of the
     two, never their sum, hence its spelling ``max(5%, 32MiB)``."""
@@ -165,7 +187,7 @@ class Spec:
 
     nproc: tuple[int, ...]
     max_mib: float | None
-    max_ratio: float | None
+    max_ratio: Ratio | None
     allow_mib: float
     rank: int | str
     device: str
@@ -222,10 +244,14 @@ MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
     MarkerArgument("nproc", "1", f"an int or a list of distinct ints from 1 to {MAX_NPROC}",
                    "the world sizes to launch"),
     MarkerArgument("max_mib", "None", "a number > 0", "cap on the gated rank's peak, in MiB, at every launched size"),
-    MarkerArgument("max_ratio", "[gpumem_max_ratio]", "a number > 0, or None (no ratio check)",
-                   "cap on peak(N) / peak(reference) of the gated rank at each listed N above the reference; "
-                   "an nproc=1 reference is launched when the list lacks it (the report says so), and reused by "
-                   "later tests with the same launch parameters"),
+    MarkerArgument("max_ratio", "[gpumem_max_ratio]",
+                   "a number > 0, a dict from each listed nproc above the reference to a number > 0, "
+                   "or None (no ratio check)",
+                   "cap on peak(N) / peak(reference) of the gated rank at each listed N above the reference: "
+                   "one number for memory that should stay flat (data parallel), one per size for memory "
+                   "that should shrink with N (FSDP, ZeRO: e.g. {2: 0.8, 8: 0.6}); an nproc=1 reference is "
+                   "launched when the list lacks it (the report says so), and reused by later tests with the "
+                   "same launch parameters"),
     MarkerArgument("reference", "1", "1, or a listed nproc below the largest one",
                    "the world size the ratio is taken against: a job that cannot run at one rank (tensor, "
                    "pipeline, expert parallel) names its smallest size, e.g. nproc=[2, 8], reference=2"),
@@ -330,13 +356,12 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     if max_mib is not None:
         max_mib = _number("max_mib", max_mib, positive=True)
     ratio = kw.get("max_ratio", _UNSET)
-    max_ratio = defaults.max_ratio if ratio is _UNSET else ratio
-    if max_ratio is not None:
-        max_ratio = _number("max_ratio", max_ratio, positive=True)
+    raw_ratio = defaults.max_ratio if ratio is _UNSET else ratio
     allow = kw.get("allow_mib", defaults.allow_mib)
     allow_mib = _number("allow_mib", allow, positive=True, allow_zero=True)
 
-    reference = _reference(kw.get("reference"), nproc, max_ratio)
+    reference = _reference(kw.get("reference"), nproc, raw_ratio)
+    max_ratio = None if raw_ratio is None else _ratio(raw_ratio, nproc, reference)
     rank = kw.get("rank", 0)
     if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise SpecError(f"rank={rank!r} is not accepted: expected an int >= 0 or 'all'")
@@ -446,7 +471,31 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
     )
 
 
-def _reference(value: Any, nproc: tuple[int, ...], max_ratio: float | None) -> int:
+def _ratio(value: Any, nproc: tuple[int, ...], reference: int) -> Ratio:
+    """A number, or a dict with a cap for each listed size above the reference and for no other."""
+    if not isinstance(value, Mapping):
+        if isinstance(value, (list, tuple, set, str)):
+            raise SpecError(f"max_ratio={value!r} is not accepted: expected a number > 0, or a dict from "
+                            "nproc to a number > 0, e.g. {2: 0.8, 8: 0.6}")
+        return Ratio(flat=_number("max_ratio", value, positive=True))
+    above = [n for n in nproc if n > reference]
+    wanted = ", ".join(map(str, above))
+    for key, cap in value.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key not in above:
+            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: its keys are the listed sizes above the "
+                            f"reference nproc={reference} ({wanted}), and {key!r} is not one of them")
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: the cap for nproc={key} is {cap!r}, "
+                            "expected a number > 0")
+    missing = [n for n in above if n not in value]
+    if missing:
+        raise SpecError(f"max_ratio={dict(value)!r} is not accepted: it has no cap for nproc="
+                        f"{', '.join(map(str, missing))}; give one for each listed size above the reference "
+                        f"nproc={reference} ({wanted}), or drop that size from nproc")
+    return Ratio(sizes=tuple(sorted((n, float(cap)) for n, cap in value.items())))
+
+
+def _reference(value: Any, nproc: tuple[int, ...], max_ratio: Any) -> int:
     """The size the ratio is taken against: 1 (launched when unlisted), or a listed size below the largest."""
     if value is None:
         return 1

@@ -58,7 +58,8 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
             allocated_baseline_mib=(allocated_baselines or {}).get(n),
         ))
     if messages is None:
-        messages = [c.text(verdict.digits) for c in verdict.failures] if verdict is not None else []
+        messages = ([c.text(verdict.digits) for c in sorted(verdict.failures, key=lambda c: c is not verdict.worst)]
+                    if verdict is not None else [])  # the headline's check first
     return TestRecord(
         test=test.test_id,
         status=status,

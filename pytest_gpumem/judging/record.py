@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
-from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE
+from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, Ratio
 from ..measurement.predict import Prediction
 from ..measurement.size import SizeResult
 
@@ -42,7 +42,7 @@ class Limits:
     """What the marker asked for (the marker's own values; ``tolerance`` as written)."""
 
     max_mib: float | None = None
-    max_ratio: float | None = None
+    max_ratio: Ratio | None = None
     allow_mib: float = 0.0
     rank: int | str = 0  # an int, or "all": the largest rank
     tolerance: str = str(DEFAULT_TOLERANCE)
@@ -230,7 +230,8 @@ class TestRecord:
             "cause": self.cause,
             "nproc": list(self.nproc),
             "launcher": self.launcher,
-            "limits": {"max_mib": self.limits.max_mib, "max_ratio": self.limits.max_ratio,
+            "limits": {"max_mib": self.limits.max_mib, "max_ratio": (None if self.limits.max_ratio is None
+                                                                    else self.limits.max_ratio.to_json()),
                        "allow_mib": self.limits.allow_mib, "rank": self.limits.rank,
                        "tolerance": self.limits.tolerance, "allocated_tolerance": self.limits.allocated_tolerance,
                        "reference": self.limits.reference},

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar, cast
 
-from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, SpecError, parse_tolerance
+from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, Ratio, SpecError, parse_tolerance
 from ..measurement.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
 from ..measurement.size import FloorResult, SizeResult
 from ..sampling import AllocatedPeak, Peak
@@ -144,7 +144,7 @@ class _Reader(_Fields):
         if isinstance(reference, bool) or not isinstance(reference, int) or reference < 1:
             self.bad(f"{where}.reference", "an integer >= 1", reference)
             reference = 1
-        return Limits(max_mib=self.number(raw, "max_mib", where), max_ratio=self.number(raw, "max_ratio", where),
+        return Limits(max_mib=self.number(raw, "max_mib", where), max_ratio=_ratio(self, raw, where),
                       allow_mib=self.number(raw, "allow_mib", where) or 0.0, rank=rank, tolerance=str(tolerance),
                       allocated_tolerance=str(allocated), reference=reference)
 
@@ -427,3 +427,16 @@ def load_report(path: Path | str) -> list[TestRecord]:
         return parse_report(doc)
     except ReportError as exc:
         raise ReportError(f"{path}: {exc}") from None
+
+
+def _ratio(reader: _Reader, raw: Mapping[str, Any], where: str) -> Ratio | None:
+    """``max_ratio``: a number, or a cap per size (``{"2": 0.8, "8": 0.6}``)."""
+    value = raw.get("max_ratio")
+    if not isinstance(value, Mapping):
+        flat = reader.number(raw, "max_ratio", where)
+        return None if flat is None else Ratio(flat=flat)
+    if not all(isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and _is_number(v) for k, v in value.items()):
+        reader.bad(f"{where}.max_ratio", "a number, or an object from nproc to a number", value)
+        return None
+    return Ratio(sizes=tuple(sorted((int(k), float(v)) for k, v in value.items())))

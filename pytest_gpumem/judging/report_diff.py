@@ -133,6 +133,12 @@ def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | No
                    "allocated")
 
 
+def _fake_on_both_sides(old: tuple[TestRecord, SizeRecord] | None,
+                        new: tuple[TestRecord, SizeRecord] | None) -> bool:
+    """A fake GPU has one figure, the allocator's: its size is compared once, at that figure's tolerance."""
+    return old is not None and new is not None and bool(old[1].measured.fake_gpu and new[1].measured.fake_gpu)
+
+
 def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
     """The gated rank's peak sites that grew from the old report to the new one."""
     before = old.measured.sites.get(old.gated_rank) if old.gated_rank is not None else None
@@ -155,7 +161,13 @@ def diff_reports(old: Iterable[TestRecord], new: Iterable[TestRecord],
     override = parse_tolerance(tolerance) if tolerance is not None else None
     old_sizes, new_sizes = _by_size(old), _by_size(new)
     keys = set(old_sizes) | set(new_sizes)
-    rows = [_diff_row(key, old_sizes.get(key), new_sizes.get(key), override) for key in keys]
-    rows += [row for key in keys if (row := _allocated_row(key, old_sizes.get(key), new_sizes.get(key)))]
+    rows = []
+    for key in keys:
+        before, after = old_sizes.get(key), new_sizes.get(key)
+        allocated = _allocated_row(key, before, after)
+        if allocated is None or not _fake_on_both_sides(before, after):
+            rows.append(_diff_row(key, before, after, override))
+        if allocated is not None:
+            rows.append(allocated)
     rows.sort(key=lambda r: (KINDS.index(r.kind), r.test, r.nproc, r.figure))
     return ReportDiff(tuple(rows))

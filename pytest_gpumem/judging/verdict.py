@@ -153,6 +153,12 @@ class Verdict:
         return [check for check in self.checks if not check.ok and check.advisory]
 
     @property
+    def worst(self) -> Check:
+        """The failed check furthest over its limit, relative to it: the headline names its size and
+        rank (the largest growth, not the first size that broke); the first of equals."""
+        return max(self.failures, key=_over)
+
+    @property
     def digits(self) -> int:
         """Decimals of every MiB figure in this verdict's output: enough that each failed comparison
         shows why it failed, and the same for all, so that one figure reads the same in every line."""
@@ -200,10 +206,9 @@ class Verdict:
         failures = self.failures
         digits = self.digits
         if failures:
-            first = failures[0]
             others = len(failures) - 1
             more = f"; {others} more limit{'s' if others > 1 else ''} exceeded" if others else ""
-            lines.append(f"gpumem: {first.headline(digits)}{more}")
+            lines.append(f"gpumem: {self.worst.headline(digits)}{more}")
         lines.extend(lead or [])
         lines.extend(f"  {check.text(digits)}" for check in failures)
         advisories = self.advisories
@@ -243,6 +248,13 @@ class Verdict:
                 lines.append(f"    resident high-water mark (VmHWM, not gated: follows the page cache) {{{rss}}}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _over(check: Check) -> float:
+    """How far a failed check is over its limit, as a share of it (a check without figures: 0)."""
+    if check.measured_mib is None or not check.limit_mib:
+        return 0.0
+    return check.measured_mib / check.limit_mib
 
 
 def simulated_ranks(result: SizeResult) -> str:
@@ -298,18 +310,19 @@ def judge(
             if value is not None:
                 check("max_mib", spec.max_mib, value <= spec.max_mib, "max_mib {limit} MiB", value,
                       who, figure)
-        if spec.max_ratio is not None and n > ref and one is not None:
+        cap = spec.max_ratio.at(n) if spec.max_ratio is not None else None
+        if cap is not None and n > ref and one is not None:
             reference, value, figure = ratio_figures(spec, one, result)
             who = result.read(spec.rank, figure)[0]
             if reference is not None and value is not None:
-                limit = spec.max_ratio * reference + spec.allow_mib
+                limit = cap * reference + spec.allow_mib
                 ratio = (f"ratio {value / reference:.2f}x" if reference > 0
                          else f"no ratio: the nproc={ref} peak is 0 MiB")
                 check(
                     "max_ratio",
                     limit,
                     value <= limit,
-                    f"{spec.max_ratio:.2f} x {{reference}} MiB (nproc={ref}) + {spec.allow_mib:.0f} MiB"
+                    f"{cap:.2f} x {{reference}} MiB (nproc={ref}) + {spec.allow_mib:.0f} MiB"
                     f" = {{limit}} MiB ({ratio})",
                     value, who, figure, reference,
                 )
@@ -328,10 +341,9 @@ def judge(
     fake = [r for r in results if r.fake_gpu]
     if fake:
         sizes = ", ".join(str(r.world_size) for r in fake)
-        extra_notes.append(f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): the allocator figure is what "
-                           "torch's caching allocator would count on that model, and it stands for the device "
-                           "figure, which a fake GPU has not (no CUDA context, no NCCL buffers, no allocator "
-                           "cache): a lower bound of what nvidia-smi would show")
+        extra_notes.append(f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): every limit reads the allocator "
+                           "figure, what torch's caching allocator would count on that model; a real GPU holds "
+                           "more (the CUDA context, the communicator's buffers, the allocator's cache)")
         supplied = tuple(dict.fromkeys(line for r in fake for line in r.supplied))
         if supplied:
             extra_notes.append("the fake GPU supplied what fake tensors do not have (docs/fake-gpu.md, \"Values\"); "
@@ -352,6 +364,13 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
     the baseline and this run have it, the allocator figure at its own, tighter tolerance; under
     rank="all" each rank's against its own as well."""
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
+    if result.fake_gpu:  # one figure, the allocator's: judged once, at its own tolerance
+        label, mib, figure = result.read(spec.rank, ALLOCATED)
+        stored = base.allocated_mib if base.allocated_mib is not None else base.mib
+        pairs.append((label, mib, figure, stored, base.allocated_tolerance or spec.allocated_tolerance, False))
+        if spec.rank == "all":
+            pairs += [pair for pair in _rank_pairs(spec, result, base) if pair[2] == ALLOCATED]
+        return _baseline_pairs(pairs, result, check)
     label, mib, figure = result.read(spec.rank, DEVICE)
     pairs.append((label, mib, figure, base.mib, base.tolerance, False))
     if spec.figure("baseline") == ALLOCATED and base.allocated_mib is not None:
@@ -361,6 +380,12 @@ def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: A
             pairs.append((label, value, figure, base.allocated_mib, tolerance, False))
     if spec.rank == "all":
         pairs += _rank_pairs(spec, result, base)
+    return _baseline_pairs(pairs, result, check)
+
+
+def _baseline_pairs(pairs: list[tuple[str, float | None, str, float, Tolerance, bool]], result: SizeResult,
+                    check: Any) -> list[str]:
+    """A check per (label, measured, figure, stored, tolerance, own); notes for clear improvements."""
     notes = []
     for label, value, figure, stored, tolerance, own in pairs:
         if value is None:

@@ -23,6 +23,12 @@ from .launcher import launcher
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
+# What torch says when a job asks for CUDA where there is none: a CPU build's missing bindings
+# (torch._C._cuda_setDevice, _cuda_getDeviceCount, ...), a CUDA build without a driver or a device.
+_NO_CUDA = ("module 'torch._C' has no attribute '_cuda_", "Torch not compiled with CUDA enabled",
+            "Found no NVIDIA driver", "No CUDA GPUs are available")
+CUDA_HINT = ('hint: this job uses CUDA and this machine has no GPU: mark it device="gpu" and it runs on a '
+             "fake GPU (every CUDA tensor fake, the allocator's figure gated; docs/fake-gpu.md)")
 
 
 def who(launch: LaunchResult, rank: int) -> str:
@@ -53,6 +59,7 @@ class LaunchContext:
     body_mode: bool
     python: str = sys.executable
     fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S
+    without_gpu: bool = False  # device="auto" on a machine with no GPU: a CUDA error gets CUDA_HINT
 
 
 def problems(launch: LaunchResult, outcomes: Mapping[int, RankResult], ctx: LaunchContext) -> list[str]:
@@ -133,7 +140,8 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
     launcher's output (shown once: with the first rank that left no log of its own)."""
     if outcome.outcome == "failed" and ctx.body_mode:  # the text is the rank's pytest report
         error = f" {outcome.error}" if outcome.error else ""
-        return f"{who(launch, rank)} failed:{error}\n{outcome.text.rstrip()}", False
+        hint = f"\n{CUDA_HINT}" if ctx.without_gpu and _needs_cuda(outcome.text) else ""
+        return f"{who(launch, rank)} failed:{error}{hint}\n{outcome.text.rstrip()}", False
     head = (f"{who(launch, rank)} failed ({outcome.text})" if outcome.outcome == "failed"
             else f"{who(launch, rank)} ended without a result ({outcome.text})")
     started = rank in launch.pids  # it announced itself: the plugin's rank code ran
@@ -150,7 +158,13 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
         head += ("; last lines of the launcher's output (the rank left no log of its own):\n" if from_launcher
                  else "; last lines of its output:\n") + tail
     hint = import_hint(tail, launch.pythonpath, ctx) if not started else ""
+    if ctx.without_gpu and _needs_cuda(tail):
+        hint = CUDA_HINT
     return head + (f"\n{hint}" if hint else ""), from_launcher
+
+
+def _needs_cuda(output: str) -> bool:
+    return any(text in output for text in _NO_CUDA)
 
 
 def import_hint(output: str, pythonpath: str | None, ctx: LaunchContext) -> str:

@@ -25,6 +25,7 @@ from .launcher import LauncherOptions, launcher
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
 from .runs import SizeRun
+from .watch import Follower, Watch, what
 from .workdirs import make_workdir, sweep_orphans
 
 GpuSetup = Callable[[Spec, int, str], GpuPlan]
@@ -37,8 +38,10 @@ class Launches:
 
     def __init__(self, *, cwd: Path, setup: RankSetup, gpu_setup: GpuSetup, host_interval_s: float | None = None,
                  snapshot_dir: Path | None = None, launcher_options: LauncherOptions | None = None,
-                 fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S, fake_gpus: GpuSetup | None = None) -> None:
+                 fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S, fake_gpus: GpuSetup | None = None,
+                 watch: Watch | None = None) -> None:
         self.cwd = cwd
+        self.watch = watch or Watch()  # where the launches' progress and rank 0's output go
         self.setup = setup
         self.gpu_setup = gpu_setup
         self.host_interval_s = host_interval_s
@@ -74,10 +77,11 @@ class Launches:
         return min(len(simulated), self.simulated_gpus) if self.simulated_gpus else len(simulated)
 
     def launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, *, history: bool = False,
-               simulated: tuple[int, ...] = (), startup: str = "") -> SizeRun:
+               simulated: tuple[int, ...] = (), startup: str = "", label: str = "") -> SizeRun:
         """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones, each
         given ``startup`` as its ``GPUMEM_STARTUP``; relaunched on another port where the rendezvous
-        port was lost before any test body started."""
+        port was lost before any test body started. ``label`` names a launch that is not the test's own
+        measurement in its progress line ("floor", "start-up probe", "peak sites")."""
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
             return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                            outcomes={}, problems=[plan.error])
@@ -89,7 +93,7 @@ class Launches:
                 return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
                                outcomes={}, problems=[str(exc)])
             try:  # the folder goes whatever happens, Ctrl-C included
-                run = self._launch_in(test_id, spec, nproc, plan, workdir, history, simulated, startup)
+                run = self._watched(test_id, label, spec, nproc, plan, workdir, history, simulated, startup)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
             if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
@@ -102,6 +106,27 @@ class Launches:
             if plan.skip_reason is not None or plan.error is not None:
                 break
         run.notes = lost + run.notes
+        return run
+
+    def _watched(self, test_id: str, label: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
+                 history: bool, simulated: tuple[int, ...], startup: str) -> SizeRun:
+        """``_launch_in``, said as it starts and ends (``Watch.progress``), and for the test's own
+        launch (no ``label``) rank 0's output followed while it runs (``Watch.echo``)."""
+        said = f"gpumem: {test_id}{f' {label}' if label else ''} {what(world, simulated, plan.fake_gpu)}"
+        progress, echo = self.watch.progress, None if label else self.watch.echo
+        if progress is not None:
+            progress(f"{said}: launching")
+        started = time.perf_counter()
+        if echo is None:
+            run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+        else:
+            rank = simulated[0] if simulated else 0
+            with Follower(protocol.rank_file(workdir, 0, "log"), echo, f"[rank {rank}] "):
+                run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+        if progress is not None:
+            failed = run.problems or any(o.outcome == "failed" for o in run.outcomes.values())
+            how = "ended" if startup == "probe" else "failed" if failed else "done"  # a probe ends at its setup
+            progress(f"{said}: {how} in {time.perf_counter() - started:.1f} s")
         return run
 
     def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
@@ -148,7 +173,8 @@ class Launches:
             untracked_host=self.setup.track_host == "auto" and not self.setup.tracks_host(spec, plan),
             context=failures.LaunchContext(marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
                                            timeout=spec.timeout, body_mode=spec.body_mode,
-                                           fail_fast_grace=self.fail_fast_grace))
+                                           fail_fast_grace=self.fail_fast_grace,
+                                           without_gpu=spec.device == "auto" and plan.gpu_name is None))
         run = read_size_run(spec, nproc, workdir, launch, host, plan, reading, started_at)
         if simulated:
             run = _as_world(run, simulated, world)

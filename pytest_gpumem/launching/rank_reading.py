@@ -75,7 +75,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
     )
     allocated, sites, live, site_notes = rank_figures(reports, use_gpu, started_at)
     if plan.fake_gpu:  # no device: the allocator figure stands for it (a lower bound of nvidia-smi's)
-        gpu_peaks = {rank: Peak(a.mib, f"fake GPU {plan.fake_gpu}: the allocator figure (no device figure)")
+        gpu_peaks = {rank: Peak(a.mib, f"fake GPU {plan.fake_gpu}: the allocator figure")
                      for rank, a in allocated.items()}
     peaks = gpu_peaks if use_gpu else host_peaks
     missing = Peak(None, f"fake GPU {plan.fake_gpu}: the rank reported no allocator figure (it made no CUDA "
@@ -169,6 +169,7 @@ def rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started
             notes.append(f"rank {rank} peak sites: {problem}")
     points: dict[float, dict[int, float]] = {}
     for rank, curve in curves.items():
-        for t, mib in curve:
-            points.setdefault(round(float(t) - started_at, 4), {})[rank] = float(mib)
+        for t, mib in curve:  # points within 0.1 ms are one: the highest, so a curve reaches its peak
+            at = points.setdefault(round(float(t) - started_at, 4), {})
+            at[rank] = max(at.get(rank, float(mib)), float(mib))
     return allocated, sites, tuple(sorted(points.items())), notes

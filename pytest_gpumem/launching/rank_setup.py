@@ -124,8 +124,11 @@ class RankSetup:
     def env(self, spec: Spec, plan: GpuPlan, history: bool) -> dict[str, str]:
         """The ranks' environment: the session's switches, what they measure, the marker's env, the GPUs."""
         # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
+        # A fake GPU keeps its history in every launch: its one figure's curve, and no relaunch for sites.
+        fake = bool(plan.fake_gpu) and self.sites != "off"
+        keep_history = history or self.gpu_history or self.sites == "on" or fake
         side_env = {ROOTDIR_ENV: str(self.rootdir), SITES_ENV: "0" if self.sites == "off" else "1",
-                    HISTORY_ENV: "1" if history or self.gpu_history or self.sites == "on" else "0",
+                    HISTORY_ENV: "1" if keep_history else "0",
                     PYTHON_ALLOCATIONS_ENV: self.python_allocations}
         if self.snapshot:
             side_env[SNAPSHOT_ENV] = "1"
@@ -145,13 +148,18 @@ class RankSetup:
         return refused_at_fork or (refused if refused not in QUIET or self.start == "fork" else None)
 
 
-def pytest_argv(test_id: str, *, rootdir: Path, inipath: Path | None, xdist: bool, load_plugin: bool) -> list[str]:
+def pytest_argv(test_id: str, *, rootdir: Path, inipath: Path | None, xdist: bool, load_plugin: bool,
+                tee: bool = False) -> list[str]:
     """The rank's own pytest: same rootdir and ini, just this test, no xfail/randomness games.
 
     ``xdist``: the ini's addopts may ask for workers, not inside a rank; ``load_plugin``: plugin
-    autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so the rank names this plugin itself."""
+    autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so the rank names this plugin itself; ``tee``:
+    the user's pytest runs with -s, so the body's output also goes to the rank's log as it is written
+    (rank 0's is shown live), besides the capture that a failure's text quotes."""
     path, _, rest = test_id.partition("::")
     args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--runxfail", "--rootdir", str(rootdir)]
+    if tee:  # -qq and no warnings summary: the body's own lines, little of the rank's pytest
+        args += ["--capture=tee-sys", "-q", "--disable-warnings"]
     if inipath is not None:
         args += ["-c", str(inipath)]
     if xdist:

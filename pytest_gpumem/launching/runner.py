@@ -22,6 +22,7 @@ from .launches import GpuSetup, Launches
 from .rank_setup import RankSetup
 from .runs import SizeRun, TestRun
 from .startups import Startups
+from .watch import Watch
 
 
 class Runner:
@@ -44,10 +45,11 @@ class Runner:
         fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S,
         startups: Startups | None = None,
         fake_gpus: GpuSetup | None = None,
+        watch: Watch | None = None,
     ) -> None:
         self.launches = Launches(cwd=cwd, setup=setup, gpu_setup=gpu_setup, host_interval_s=host_interval_s,
                                  snapshot_dir=snapshot_dir, launcher_options=launcher_options,
-                                 fail_fast_grace=fail_fast_grace, fake_gpus=fake_gpus)
+                                 fail_fast_grace=fail_fast_grace, fake_gpus=fake_gpus, watch=watch)
         self._references: dict[tuple, SizeRun] = {}
         # refresh_floors: measure even where the cache has the floor (and rewrite it): floor=on's meaning by default.
         self.floors = Floors(floor, floor_cache, floor == "on" if refresh_floors is None else refresh_floors,
@@ -93,7 +95,8 @@ class Runner:
         return test
 
     def _launch_probe(self, test_id: str, probe: Spec, nproc: int) -> SizeRun:
-        return self._launch(test_id, probe, nproc, self.launches.plan(probe, nproc, f"{test_id} (floor)"))
+        return self._launch(test_id, probe, nproc, self.launches.plan(probe, nproc, f"{test_id} (floor)"),
+                            label="floor")
 
     def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> TestRun:
         """``test`` with the GPU peak sites of ``sizes``, from a relaunch with torch's allocator
@@ -116,7 +119,8 @@ class Runner:
         plan = self.launches.plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
         if plan.skip_reason is not None:
             return run
-        again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated)
+        again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated,
+                             label="peak sites")
         rank = result.gated_rank(test.spec.rank)
         found = again.result.sites.get(rank) if rank is not None else None
         if again.problems or rank is None or not found:
@@ -159,7 +163,8 @@ class Runner:
             return found, None
         # The launch's own GPUs (held by its plan while the probe runs), no sampler: nothing is gated.
         probe_plan = GpuPlan(env=dict(plan.env), gpu_name=plan.gpu_name, provenance=dict(plan.provenance))
-        probe = self.launches.launch(test_id, spec, world, probe_plan, simulated=simulated, startup="probe")
+        probe = self.launches.launch(test_id, spec, world, probe_plan, simulated=simulated, startup="probe",
+                                     label="start-up probe")
         if len(probe.startups) == (len(simulated) or world):
             self.startups.learn(test_id, launch, world, probe.startups, probe.startup_files)
             return self.startups.env(test_id, launch, world), None
@@ -171,7 +176,7 @@ class Runner:
         return "", None
 
     def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
-                simulated: tuple[int, ...] = ()) -> SizeRun:
+                simulated: tuple[int, ...] = (), label: str = "") -> SizeRun:
         """One launch at world size ``nproc``, its ranks' start-up found first (from this session, the
         cache, or a probe launched now)."""
         startup = ""
@@ -181,7 +186,8 @@ class Runner:
             if failed is not None:
                 plan.release()
                 return failed
-        run = self.launches.launch(test_id, spec, nproc, plan, history=history, simulated=simulated, startup=startup)
+        run = self.launches.launch(test_id, spec, nproc, plan, history=history, simulated=simulated, startup=startup,
+                                   label=label)
         run.notes += self.startups.take_notes()
         return run
 

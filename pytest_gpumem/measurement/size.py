@@ -86,10 +86,11 @@ class SizeResult:
         """(label of the gated rank, its MiB, the figure read) for a limit that reads ``figure``.
 
         On a GPU, "allocated" is the framework allocator's figure where the rank reported one;
-        otherwise (OneFlow, a rank that never used the allocator) the device figure is read. On
-        host memory every limit reads the one host figure.
+        otherwise (OneFlow, a rank that never used the allocator) the device figure is read. A fake
+        GPU has no device: every limit reads its allocator figure. On host memory every limit reads
+        the one host figure.
         """
-        if self.device == "gpu" and figure == ALLOCATED:
+        if self.device == "gpu" and (figure == ALLOCATED or self.fake_gpu):
             if self.prediction is not None and self.allocated_prediction is not None:
                 return self.allocated_prediction.rank_label, self.allocated_prediction.mib, ALLOCATED
             if self.prediction is None and self.allocated:
@@ -131,7 +132,9 @@ class SizeResult:
         return f"rank {rank}", None if peak is None else peak.mib
 
     def others_max(self, rank: int | str) -> float | None:
-        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != rank]
+        """The largest peak of the ranks not gated (under ``rank="all"``, all but the largest one)."""
+        gated = self.gated_rank(rank) if rank == "all" else rank
+        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != gated]
         return max(values) if values else None
 
     @property

@@ -102,7 +102,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             if m.uncounted:
                 predicted += f", **without its {', '.join(m.uncounted)}**"
             peak += f" ({size.gated_label}, {size.device}{predicted})"
-        if size.allocated_mib is not None:
+        if size.allocated_mib is not None and not m.fake_gpu:  # a fake GPU's gated figure is the allocator's
             peak += f"; allocated {size.allocated_mib:.1f}"
         ratio = "-" if size.ratio is None else f"{size.ratio:.2f}x" + _against(record)
         nproc = f"{size.nproc}" + ("\\*" if m.reused else "") + (" (reference)" if record.unlisted(size) else "")
@@ -125,8 +125,9 @@ def _indent(text: str) -> str:
 
 
 def _md_messages(records: Sequence[TestRecord]) -> list[str]:
-    """The messages under a heading per cause ("Limits exceeded", "Crashed or hung", ...), each
-    failure with the peak sites that grew (the lines that hold the memory, top 3)."""
+    """The messages under a heading per cause ("Limits exceeded", "Crashed or hung", ...): a test's
+    first message (the limit furthest exceeded), what changed since its baseline and the peak sites
+    that grew (the lines that hold the memory, top 3), then its other messages."""
     out: list[str] = []
     headings = dict(_MD_SECTIONS)
     for cause in [c for c, _ in _MD_SECTIONS] + [None]:
@@ -137,10 +138,13 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
             messages = list(rec.messages)
             if not messages and cause == "crash":
                 messages = ["no measurement: see the test's output in the log"]
-            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages)
+            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages[:1])
+            if rec.changed_since_baseline:  # the answer first: what differs from the baseline's run
+                lines.append("  - changed since the baseline: " + "; ".join(map(_cell, rec.changed_since_baseline)))
             if rec.grown_sites:  # the line that holds the memory, top 3
                 lines.append(f"  - peak sites that grew since {rec.grown_against}: "
                              + ", ".join(f"`{_cell(c.brief())}`" for c in rec.grown_sites[:3]))
+            lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages[1:])
         if lines:
             out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
     return out
@@ -190,10 +194,7 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
                   "each alone with a stand-in communicator: allocator figure exact, device and host figures "
                   "without the communicator's buffers)" for rec in records for size in rec.sizes
                   if size.measured.simulated and not size.measured.fake_gpu)
-    legend.extend(f"fake GPU: nproc={size.nproc} of `{rec.test}` on a fake {size.measured.fake_gpu} "
-                  "(every CUDA tensor fake: the allocator figure as torch would count it on that model; "
-                  "no device figure: no CUDA context, NCCL buffers or allocator cache)"
-                  for rec in records for size in rec.sizes if size.measured.fake_gpu)
+    legend.extend(_fake_gpu_footnote(rec) for rec in records if any(size.measured.fake_gpu for size in rec.sizes))
     legend.extend(f"fake GPU supplied, for `{rec.test}`: " + "; ".join(supplied)
                   for rec in records if (supplied := _supplied(rec)))
     tail += ["", *legend]
@@ -211,6 +212,15 @@ def markdown(records: Iterable[TestRecord], *, max_chars: int = COMMENT_LIMIT) -
         omitted = [f"| … {len(rows) - len(kept)} more rows: see the JSON report |" + " |" * (6 + with_floor)]
     text = "\n".join(head + table_head + kept + omitted + tail) + "\n"
     return text if len(text) <= max_chars else text[: max_chars - 2] + "…\n"
+
+
+def _fake_gpu_footnote(record: TestRecord) -> str:
+    """One line per test, its fake sizes together."""
+    fake = [size for size in record.sizes if size.measured.fake_gpu]
+    sizes = ", ".join(str(size.nproc) for size in fake)
+    return (f"fake GPU: nproc={sizes} of `{record.test}` on a fake {fake[0].measured.fake_gpu} (every CUDA tensor "
+            "fake: every limit reads the allocator figure as torch would count it on that model; a real GPU holds "
+            "more: the CUDA context, the communicator's buffers, the allocator's cache)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +252,8 @@ def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
             extra.append(f"verdict {rec.size_verdict(size)}")
             out.append({"name": benchmark_name(rec, size.nproc), "unit": "MiB",
                         "value": round(size.gated_mib, 2), "extra": ", ".join(e for e in extra if e)})
-            if size.allocated_mib is not None:  # the exact series: a 1% step shows, the cache does not
+            if size.allocated_mib is not None and not size.measured.fake_gpu:  # the exact series (a fake
+                # GPU's gated figure is it already): a 1% step shows, the cache does not
                 out.append({"name": benchmark_name(rec, size.nproc) + " allocated", "unit": "MiB",
                             "value": round(size.allocated_mib, 2),
                             "extra": f"gpu, the allocator's peak of live tensors, verdict {rec.size_verdict(size)}"})
@@ -284,7 +295,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         if size.predicted:
             props.append((f"{key}_predicted", size.basis))
         if size.measured.simulated:
-            props.append((f"{key}_simulated", ",".join(map(str, size.measured.simulated))))
+            props.append((f"{key}_simulated_ranks", ",".join(map(str, size.measured.simulated))))
         if size.measured.fake_gpu:
             props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
         if size.measured.supplied:

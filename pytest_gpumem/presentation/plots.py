@@ -71,13 +71,14 @@ _LIMIT_STYLE = {
 _FIGURE_NAME = {"device": "device figure", "allocated": "allocated", "host": "live allocations"}
 
 
-def _limit_label(record: TestRecord, kind: str, limit: float, figure: str) -> str:
+def _limit_label(record: TestRecord, kind: str, limit: float, figure: str, nproc: int) -> str:
     limits = record.limits
     of = f" [{_FIGURE_NAME[figure]}]" if figure in _FIGURE_NAME else ""
     if kind == "max_mib":
         return f"max_mib {limit:.0f}{of}"
-    if kind == "max_ratio":
-        return (f"ratio limit {limits.max_ratio:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
+    cap = limits.max_ratio.at(nproc) if limits.max_ratio is not None else None
+    if kind == "max_ratio" and cap is not None:
+        return (f"ratio limit {cap:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
                 f"= {limit:.0f}{of}")
     return f"baseline + tolerance = {limit:.0f}{of}"
 
@@ -88,6 +89,8 @@ def _limits(record: TestRecord, size: SizeRecord) -> list[tuple[float, str, dict
     lines: list[tuple[float, str, dict[str, Any]]] = []
     stored = [(size.baseline_mib, "device" if size.device == "gpu" else "host"),
               (size.allocated_baseline_mib, "allocated")]
+    if size.measured.fake_gpu:  # one figure, the allocator's
+        stored = [(size.allocated_baseline_mib or size.baseline_mib, "allocated")]
     for mib, figure in stored:
         if mib is not None:
             lines.append((mib, f"baseline {mib:.0f} [{_FIGURE_NAME[figure]}]",
@@ -98,7 +101,8 @@ def _limits(record: TestRecord, size: SizeRecord) -> list[tuple[float, str, dict
         style = dict(_LIMIT_STYLE.get(check.kind, {"color": "0.5", "linestyle": "-."}))
         if check.figure == "allocated":
             style["color"] = "tab:purple" if check.kind != "baseline" else "mediumpurple"
-        lines.append((check.limit_mib, _limit_label(record, check.kind, check.limit_mib, check.figure), style))
+        label = _limit_label(record, check.kind, check.limit_mib, check.figure, size.nproc)
+        lines.append((check.limit_mib, label, style))
     return lines
 
 
@@ -136,7 +140,7 @@ def _size_title(record: TestRecord, size: SizeRecord) -> str:
     peak = "no peak measured" if size.gated_mib is None else f"{size.gated_label} peak {size.gated_mib:.1f} MiB"
     measured = size.measured
     reused = ", reference reused" if measured.reused else ""
-    reused += (f", FAKE GPU ({measured.fake_gpu}: allocator figure, no device figure)" if measured.fake_gpu else
+    reused += (f", FAKE GPU ({measured.fake_gpu}): the allocator's figure" if measured.fake_gpu else
                ", SIMULATED world (stand-in communicator)" if measured.simulated else "")
     return f"nproc={size.nproc} ({size.device} memory): {peak}{ratio} — {verdict}{reused}"
 
@@ -193,6 +197,9 @@ def _curves(size: SizeRecord) -> list[tuple[str, str, dict[int, tuple[list[float
     is not gated; on a GPU the device figure is NVML's samples and the allocator figure the
     allocator's history replayed. Older records without a live curve draw what they have.
     """
+    if size.measured.fake_gpu:  # one figure: the allocator's, its curve from the fake GPU's history
+        return [("allocated", f"torch allocated on the fake {size.measured.fake_gpu}",
+                 _series(size.measured.live_timeline), size.allocated_mib or size.gated_mib)]
     if size.device == "gpu":
         curves = [("device", "what nvidia-smi shows, sampled", _series(size.measured.timeline), size.gated_mib)]
         if size.measured.live_timeline:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..judging.record import SizeRecord, TestRecord
+from ..judging.suggest import HEADROOM, measured_ratios, suggested_ratio
 from ..sampling.allocations import is_allocation_method
 
 # The headings failures are listed under, by cause (record.CAUSES): a crash is not a limit.
@@ -95,10 +96,10 @@ def table(records: Iterable[TestRecord]) -> list[str]:
         out.append("/N: the ratio is taken against nproc=N, the reference the marker names")
     by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
     if by_allocator:
-        peak = ("what nvidia-smi shows" if not any(size.measured.fake_gpu for size in by_allocator) else
-                "the allocator's figure too (a fake GPU has no device figure)" if all(size.measured.fake_gpu for size in
-                                                                                     by_allocator) else
-                "what nvidia-smi shows, or on a fake GPU the allocator's figure (it has no device figure)")
+        fake = [size.measured.fake_gpu for size in by_allocator]
+        peak = ("what nvidia-smi shows" if not any(fake) else
+                "the allocator's figure too (on a fake GPU every limit reads it)" if all(fake) else
+                "the per-process figure of a real GPU, or on a fake GPU the allocator's figure")
         out.append("alloc: the ratio of the GPU allocator's figure (torch max_memory_allocated), "
                    f"which the ratio limit reads; the peak column is {peak}")
     if resident:
@@ -149,6 +150,20 @@ def refresh_lines(records: Iterable[TestRecord]) -> list[str]:
     return lines
 
 
+def suggestion_lines(records: Iterable[TestRecord]) -> list[str]:
+    """``test: max_ratio={2: 0.78, 8: 0.6} (measured 0.76x at 2, 0.58x at 8, each + 0.02)`` per test with
+    a ratio, for the refresh that recorded a healthy run."""
+    lines = []
+    for record in records:
+        ratio = suggested_ratio(record)
+        if ratio is None:
+            continue
+        measured = ", ".join(f"{r:.2f}x at {n}" for n, r in measured_ratios(record).items())
+        now = f"; the marker has {record.limits.max_ratio}" if record.limits.max_ratio is not None else ""
+        lines.append(f"{record.test}: max_ratio={ratio} (measured {measured}, each + {HEADROOM}{now})")
+    return lines
+
+
 def summary(records: Sequence[TestRecord], baselines: Path, plots: Sequence[Path] = (),
             plots_dir: Path | None = None) -> list[tuple[str | None, list[str]]]:
     """The session's terminal summary as ``(section title, lines)``: the table, a section per cause
@@ -159,6 +174,10 @@ def summary(records: Sequence[TestRecord], baselines: Path, plots: Sequence[Path
     refreshed = refresh_lines(records)
     if refreshed:
         sections.append((f"baselines refreshed in {baselines}", refreshed))
+        suggested = suggestion_lines(r for r in records if r.baseline_changes)
+        if suggested:
+            sections.append(("ratio limits this run suggests (memory that shrinks with N takes a cap per size)",
+                             suggested))
     if plots:
         sections.append((None, [f"gpumem: {len(plots)} plot{'s' if len(plots) > 1 else ''} written to {plots_dir}"]))
     return sections

@@ -29,6 +29,20 @@ def crash_line(report: Any) -> str:
     return next((line.strip() for line in message.splitlines() if line.strip()), "")
 
 
+OUTPUT_LINES = 20  # of a failed rank's own output, quoted in its failure text
+
+
+def own_output(report: Any) -> str:
+    """The last lines the test printed before it failed (its captured stdout and stderr): what a
+    user would otherwise write to a file to read."""
+    lines = [line for text in (report.capstdout, report.capstderr) for line in text.splitlines()]
+    if not lines:
+        return ""
+    shown = lines[-OUTPUT_LINES:]
+    more = f"last {len(shown)} of {len(lines)} lines" if len(lines) > len(shown) else "all of it"
+    return f"\n--- the rank's own output ({more}) ---\n" + "\n".join(shown)
+
+
 class RankSide:
     """Inside a rank: run the test normally and write its outcome for the parent."""
 
@@ -45,7 +59,8 @@ class RankSide:
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.failed:
             where = "" if report.when == "call" else f"in {report.when}: "
-            self._set("failed", f"[{report.when}] {report.longreprtext}", where + crash_line(report))
+            self._set("failed", f"[{report.when}] {report.longreprtext}{own_output(report)}",
+                      where + crash_line(report))
         elif report.skipped and report.when in ("setup", "call"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self._set("skipped", reason)

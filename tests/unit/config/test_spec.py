@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pytest_gpumem.config.spec import Defaults, SpecError, Tolerance, parse_marker, parse_tolerance
+from pytest_gpumem.config.spec import Defaults, Ratio, SpecError, Tolerance, parse_marker, parse_tolerance
 
 D = Defaults()
 
@@ -36,9 +36,40 @@ def test_a_named_reference_launches_only_the_listed_sizes():
 
 def test_ini_ratio_default_and_none_turns_it_off():
     defaults = Defaults(max_ratio=1.3, allow_mib=512)
-    assert parse_marker((), {"nproc": 2}, defaults).max_ratio == 1.3
+    assert parse_marker((), {"nproc": 2}, defaults).max_ratio == Ratio(flat=1.3)
     off = parse_marker((), {"nproc": 2, "max_ratio": None}, defaults)
     assert off.max_ratio is None and off.sizes == (2,)
+
+
+def test_a_cap_per_size_for_a_job_that_shrinks_with_n():
+    s = spec(nproc=[2, 8], max_ratio={8: 0.3, 2: 0.6})
+    assert s.max_ratio == Ratio(sizes=((2, 0.6), (8, 0.3))) and s.sizes == (1, 2, 8)
+    assert (s.max_ratio.at(2), s.max_ratio.at(8), s.max_ratio.at(4)) == (0.6, 0.3, None)
+    assert str(s.max_ratio) == "{2: 0.6, 8: 0.3}" and str(spec(nproc=2, max_ratio=1.2).max_ratio) == "1.2"
+    assert spec(nproc=[2, 4, 8], max_ratio={4: 1.0, 8: 0.5}, reference=2).max_ratio.at(8) == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"nproc": [2, 8], "max_ratio": {2: 0.6}},
+         "max_ratio={2: 0.6} is not accepted: it has no cap for nproc=8; give one for each listed size above the "
+         "reference nproc=1 (2, 8), or drop that size from nproc"),
+        ({"nproc": [2, 8], "max_ratio": {2: 0.6, 8: 0.3, 4: 0.4}},
+         "its keys are the listed sizes above the reference nproc=1 (2, 8), and 4 is not one of them"),
+        ({"nproc": [2, 8], "max_ratio": {2: 0.6, 8: 0.3}, "reference": 2},
+         "its keys are the listed sizes above the reference nproc=2 (8), and 2 is not one of them"),
+        ({"nproc": [2, 8], "max_ratio": {"2": 0.6, 8: 0.3}}, "and '2' is not one of them"),
+        ({"nproc": [2, 8], "max_ratio": {2: 0.6, 8: -1}}, "the cap for nproc=8 is -1, expected a number > 0"),
+        ({"nproc": [2, 8], "max_ratio": {2: 0.6, 8: math.nan}}, "the cap for nproc=8 is nan"),
+        ({"nproc": [2, 8], "max_ratio": [0.6, 0.3]},
+         "max_ratio=[0.6, 0.3] is not accepted: expected a number > 0, or a dict from nproc to a number > 0"),
+    ],
+)
+def test_a_bad_cap_per_size_names_what_is_accepted(kwargs, fragment):
+    with pytest.raises(SpecError) as info:
+        spec(**kwargs)
+    assert fragment in str(info.value)
 
 
 @pytest.mark.parametrize(

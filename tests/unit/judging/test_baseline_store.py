@@ -658,3 +658,13 @@ def test_rank_all_keeps_every_ranks_allocator_figure_and_the_other_ranks_sites(s
     assert got.rank_sites == {1: (site,)} and got.gated_rank == 7
     assert got.sites_of(1) == (site,) and got.sites_of(7)[0]["where"] == "test_pp.py:40" and got.sites_of(3) == ()
     assert '"rank_sites": {\n' in store.file_for(TEST).read_text()
+
+
+def test_gpumem_show_aligns_nproc_1024_with_nproc_8(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Issue 55: `nproc=1024` pushed its row's figures one column right."""
+    from pytest_gpumem import cli
+
+    BaselineStore(tmp_path).update(TEST, CPU, {8: entry(512.0, world_size=8), 1024: entry(2048.0, world_size=1024)})
+    assert cli.main(["show", "--baselines", str(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "nproc=" in line]
+    assert len(rows) == 2 and len({row.index(" MiB") for row in rows}) == 1, rows

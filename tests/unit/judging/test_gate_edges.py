@@ -185,6 +185,19 @@ def test_diff_override_tolerance_edge():
     assert report_diff.diff_reports(report(1000.0), report(1100.0 + JUST), "10%").rows[0].kind == "regression"
 
 
+def test_diff_of_a_fake_gpu_size_is_one_row_for_its_one_figure():
+    """Issue 55: 9569.6 -> 9694.5 read 'REGRESSION' (allocator, 0.5%) and 'unchanged' (device, 5%) at once."""
+    def fake(mib: float, fake_gpu: str = "NVIDIA H200") -> list[TestRecord]:
+        measured = SizeResult(1, "gpu", {}, fake_gpu=fake_gpu)
+        size = SizeRecord(measured, gated_rank=0, gated_label="rank 0", gated_mib=mib, allocated_mib=mib)
+        return [TestRecord("t.py::test", "passed", (1,), limits=Limits(tolerance="max(5%, 32MiB)"), sizes=(size,))]
+
+    rows = report_diff.diff_reports(fake(9569.6), fake(9694.5)).rows
+    assert [(row.figure, row.kind) for row in rows] == [("allocated", "regression")]
+    real = report_diff.diff_reports(fake(9569.6, ""), fake(9694.5, "")).rows  # a real GPU has two figures
+    assert sorted((row.figure, row.kind) for row in real) == [("", "unchanged"), ("allocated", "regression")]
+
+
 @pytest.mark.parametrize("new, code", [(1050.0, 0), (1050.0 + JUST, 1)])
 def test_diff_command_exit_code_edge(tmp_path: Path, new, code):
     paths = []
@@ -231,8 +244,9 @@ def test_a_gated_rank_with_no_peak_at_all_fails_as_unmeasured():
 def test_others_max_is_the_largest_other_measured_rank():
     three = result(3, 600.0, 650.0, None)
     assert (three.others_max(0), three.others_max(1), three.others_max(2), three.others_max("all")) == (
-        650.0, 600.0, 650.0, 650.0)
+        650.0, 600.0, 650.0, 600.0)  # under rank="all" the others are all but the largest (issue 55)
     assert result(1, 500.0).others_max(0) is None and result(2, 500.0, None).others_max(0) is None
+    assert result(1, 500.0).others_max("all") is None  # one rank: no others
 
 
 def test_the_rendering_of_floors_resident_memory_nodes_and_predicted_sizes():

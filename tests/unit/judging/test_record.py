@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.config.spec import Ratio
 from pytest_gpumem.judging.record import (
     SCHEMA,
     BaselineChange,
@@ -73,6 +74,14 @@ def test_a_record_survives_json_unchanged():
     doc = json.loads(json.dumps(report_document([record])))
     assert doc["schema"] == SCHEMA == 4
     assert doc["tests"][0]["status"] == "failed" and doc["tests"][0]["cause"] == "limit"
+    assert parse_report(doc) == [record]
+
+
+@pytest.mark.parametrize("ratio", [Ratio(flat=1.2), Ratio(sizes=((2, 0.6), (8, 0.3)))])
+def test_a_ratio_flat_or_per_size_survives_json(ratio):
+    record = dataclasses.replace(full_record(), limits=Limits(max_ratio=ratio))
+    doc = json.loads(json.dumps(report_document([record])))
+    assert doc["tests"][0]["limits"]["max_ratio"] == ratio.to_json()
     assert parse_report(doc) == [record]
 
 

@@ -2,8 +2,8 @@
 comm hook out. What the verdict says about each is all a reviewer has to tell it from a real launch
 (mutation testing found these lines unpinned by any in-process test: benchmarks/results/mutmut.txt)."""
 
-from pytest_gpumem.config.spec import Defaults, parse_marker
-from pytest_gpumem.judging.verdict import UNCOUNTED, judge, simulated_ranks
+from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
+from pytest_gpumem.judging.verdict import UNCOUNTED, BaselineRef, judge, simulated_ranks
 from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 
@@ -54,17 +54,28 @@ def test_simulated_host_sizes_name_every_size_and_claim_no_exact_allocator_figur
         "more (a limit on it fails only where even that figure exceeds it)",)
 
 
-def test_a_fake_gpu_size_says_its_figure_is_a_lower_bound_of_nvidia_smi():
+def test_a_fake_gpu_size_says_every_limit_reads_its_allocator_figure():
     fake = gpu(2, {0: 50.0, 1: 50.0}, {0: 50.0, 1: 50.0}, simulated=(0, 1), fake_gpu="NVIDIA H200")
     verdict = judge(spec(nproc=2, max_mib=40), [fake])
     text = verdict.render()
     assert "rank 0 peak, nproc 2: 50.0 MiB fake GPU FAIL" in text and " simulated" not in verdict.summary_line()
     assert "[per-pid sampled] (fake NVIDIA H200: ranks 0-1 alone, every CUDA tensor fake)" in text
     assert verdict.notes == (
-        "nproc=2 ran on a fake GPU (NVIDIA H200): the allocator figure is what torch's caching allocator would "
-        "count on that model, and it stands for the device figure, which a fake GPU has not (no CUDA context, "
-        "no NCCL buffers, no allocator cache): a lower bound of what nvidia-smi would show",)
-    assert verdict.failures[0].basis == "fake GPU"
+        "nproc=2 ran on a fake GPU (NVIDIA H200): every limit reads the allocator figure, what torch's caching "
+        "allocator would count on that model; a real GPU holds more (the CUDA context, the communicator's "
+        "buffers, the allocator's cache)",)
+    assert verdict.failures[0].basis == "fake GPU" and verdict.failures[0].figure == "allocated"
+    assert "nvidia-smi" not in text and "device figure" not in text
+
+
+def test_a_fake_gpu_size_is_judged_against_its_baseline_once_at_the_allocator_tolerance():
+    """Issue 55: one number judged twice, at 5% as a 'device figure' and at 0.5% as the allocator's."""
+    fake = gpu(1, {0: 9694.5}, {0: 9694.5}, simulated=(0,), fake_gpu="NVIDIA H200")
+    base = BaselineRef(9569.6, Tolerance(percent=5.0, mib=32.0), 9569.6, Tolerance(percent=0.5, mib=16.0))
+    for rank in (0, "all"):
+        verdict = judge(spec(nproc=1, rank=rank), [fake], {1: base})
+        (check,) = verdict.checks
+        assert (check.kind, check.figure, check.ok, check.limit_mib) == ("baseline", "allocated", False, 9617.448)
 
 
 def test_a_simulated_size_below_the_reference_for_a_hook_it_did_not_run_fails_as_uncounted():
@@ -98,7 +109,7 @@ def test_every_fake_size_is_named_and_more_failures_are_counted_in_the_plural():
                  fake_gpu="NVIDIA H200") for n in (1, 2, 4)]
     verdict = judge(spec(nproc=[1, 2, 4], max_mib=40), sizes)
     assert verdict.notes[0].startswith("nproc=1, 2, 4 ran on a fake GPU (NVIDIA H200): ")
-    assert verdict.render().splitlines()[0] == ("gpumem: 50.0 MiB > max_mib 40.0 MiB (rank 0, nproc=1); "
+    assert verdict.render().splitlines()[0] == ("gpumem: 50.0 MiB > max_mib 40.0 MiB (rank 0, allocated, nproc=1); "
                                                 "2 more limits exceeded")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pytest_gpumem.launching.failures import LaunchContext, import_hint, problems
+from pytest_gpumem.launching.failures import CUDA_HINT, LaunchContext, import_hint, problems
 from pytest_gpumem.launching.launch import LaunchResult, absolute_pythonpath
 from pytest_gpumem.rankside.protocol import RankResult
 
@@ -160,3 +160,20 @@ def test_a_simulated_process_is_named_by_the_rank_it_stood_for(tmp_path):
     outcomes = {0: RankResult("passed"), 1: RankResult("failed", "[call] E   KeyError", "KeyError: 'w'")}
     (found,) = problems(run, outcomes, ctx(tmp_path))
     assert found.splitlines()[0] == "rank 7 of 8 (simulated) failed: KeyError: 'w'"
+
+
+def test_a_cuda_job_under_device_auto_without_a_gpu_is_told_to_run_on_a_fake_gpu(tmp_path):
+    """Issue 55: torch's CPU build raised AttributeError: module 'torch._C' has no attribute
+    '_cuda_setDevice', with no word of device="gpu"."""
+    error = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
+    outcome = {0: RankResult("failed", f"[call] ...\nE   {error}", error)}
+    run = launch(nproc=1, pids={0: 10}, returncodes={0: 1}, failed_at={0: 0.5})
+    (found,) = problems(run, outcome, ctx(tmp_path, without_gpu=True))
+    assert found.splitlines()[:2] == [f"rank 0 of 1 failed: {error}", CUDA_HINT]
+    assert CUDA_HINT.startswith('hint: this job uses CUDA and this machine has no GPU: mark it device="gpu"')
+    (on_a_gpu,) = problems(run, outcome, ctx(tmp_path))  # device="gpu", or GPUs here: the error alone
+    assert CUDA_HINT not in on_a_gpu
+    (tmp_path / "rank-0.log").write_text("RuntimeError: Found no NVIDIA driver on your system.\n")  # script mode
+    (script,) = problems(run, {0: RankResult("failed", "exit code 1")}, ctx(tmp_path, without_gpu=True,
+                                                                           body_mode=False))
+    assert script.splitlines()[-1] == CUDA_HINT

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.config.spec import Defaults, Ratio, parse_marker
 from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
@@ -218,7 +218,7 @@ def test_a_named_reference_is_launched_or_simulated_once_and_no_unlisted_size_is
     chosen = plan(tp, one_gpu)  # a TP=2 job on one GPU: both sizes simulated, nothing launched for real
     assert chosen.launch.sizes == () and chosen.simulated == (2, 8)
     two = plan(tp, Capacity(gpu_count=lambda: 2))  # the reference fits: launched for real, 8 simulated
-    assert two.launch.sizes == (2,) and two.launch.max_ratio == 1.1 and two.simulated == (8,)
+    assert two.launch.sizes == (2,) and two.launch.max_ratio == Ratio(flat=1.1) and two.simulated == (8,)
     on = plan(spec(nproc=[2, 8], max_ratio=1.1, reference=2, simulate="on", device="cpu"), Capacity())
     assert on.launch.sizes == () and on.simulated == (2, 8)
     fake = plan(spec(nproc=[2, 8], max_ratio=1.1, reference=2, device="gpu"), Capacity())
