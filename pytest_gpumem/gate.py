@@ -20,7 +20,7 @@ from .judging.verdict import BaselineRef, Verdict, judge
 from .launching.runner import TestRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
 from .measurement.size import ALLOCATED, SizeResult
-from .oneflow import boxing
+from .oneflow import boxing, eager
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from .sampling.sites import from_dicts
@@ -406,10 +406,10 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed):
             lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
-    lines = [verdict.render(lead + sites)]
+    failing = {check.world_size for check in verdict.failures}
+    lines = [verdict.render(lead + eager_lines(test, failing) + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
-    failing = {check.world_size for check in verdict.failures}
     # The largest failing size with an audit: one rank alone has no conversions to show. A size
     # that fails only as predicted was never launched: the largest launched one shows the trend.
     by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
@@ -430,6 +430,18 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
                      "commit the baseline file with the change")
     return "\n".join(lines)
+
+
+def eager_lines(test: TestRun, failing: set[int]) -> list[str]:
+    """OneFlow's eager conversions at the largest failing size that recorded them, against the
+    smallest launched size: the line, the conversion and what it costs a rank."""
+    audited = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
+                    if r.launch.nproc in failing and (r.eager or r.eager_problem)), None)
+    if audited is None:
+        return []
+    size = audited.launch.nproc
+    smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
+    return eager.scaling_lines(size, audited.eager, smaller, audited.eager_problem)
 
 
 _MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved

@@ -173,7 +173,7 @@ _FILLERS_BY_CONTRACT = {
     "rankside/simulate.py:all_gather_object", "rankside/simulate.py:gather_object",
     "rankside/simulate.py:scatter_object_list",
     "rankside/fakegpu/cuda_api.py:install_cuda_api", "rankside/fakegpu/dispatch.py:_storage_resize",
-    "oneflow/rendezvous.py:exec_and_wrap",
+    "oneflow/rendezvous.py:exec_and_wrap", "oneflow/eager.py:wrap_to_global",
 }
 _MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "remove", "clear",
              "discard", "popitem", "sort", "reverse"}
