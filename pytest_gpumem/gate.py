@@ -18,6 +18,7 @@ from .judging.explain import provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import BaselineRef, Verdict, judge
 from .launching.runner import TestRun
+from .launching.runs import SizeRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
 from .measurement.size import ALLOCATED, SizeResult
 from .oneflow import boxing, eager
@@ -143,7 +144,8 @@ class Gate:
                     allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
                              for n, (old, new) in sorted(changes.items())],
-                    changed=changed, messages=problems or None, growth=grown)
+                    changed=changed, messages=problems or None, growth=grown,
+                    conversions=conversion_headlines(test, verdict, stored))
         outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
         if test.skip_reason is not None:
             return outcome
@@ -410,12 +412,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     lines = [verdict.render(lead + eager_lines(test, failing) + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
-    # The largest failing size with an audit: one rank alone has no conversions to show. A size
-    # that fails only as predicted was never launched: the largest launched one shows the trend.
-    by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
-    audited = next((r for r in by_size if r.launch.nproc in failing and r.boxings), None)
-    if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
-        audited = next((r for r in by_size if r.boxings), None)
+    audited = _graph_audited(test, verdict)
     if audited is not None:
         size = audited.launch.nproc
         entry = stored.get(size)
@@ -432,11 +429,47 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     return "\n".join(lines)
 
 
+def _graph_audited(test: TestRun, verdict: Verdict) -> SizeRun | None:
+    """The largest failing size with an nn.Graph audit: one rank alone has no conversions to show. A
+    size that fails only as predicted was never launched: the largest launched one shows the trend."""
+    failing = {check.world_size for check in verdict.failures}
+    by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
+    audited = next((r for r in by_size if r.launch.nproc in failing and r.boxings), None)
+    if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
+        audited = next((r for r in by_size if r.boxings), None)
+    return audited
+
+
+def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[int, Entry]) -> list[str]:
+    """One line per new SBP conversion at the failing size, eager ones first, for the record (the
+    Markdown summary, the JSON report, JUnit): what the failure text lists in its audits."""
+    if verdict is None or verdict.passed:
+        return []
+    lines: list[str] = []
+    eager_run = _eager_audited(test, {check.world_size for check in verdict.failures})
+    if eager_run is not None:
+        smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < eager_run.launch.nproc]
+        if smaller:
+            ref_size, reference = min(smaller, key=lambda pair: pair[0])
+            lines += eager.compare(eager_run.eager, eager_run.launch.nproc, reference, ref_size)
+    graph_run = _graph_audited(test, verdict)
+    if graph_run is not None:
+        size = graph_run.launch.nproc
+        entry = stored.get(size)
+        smaller_graphs = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
+        lines += boxing.headlines(size, graph_run.boxings, entry.provenance if entry else None, smaller_graphs)
+    return lines
+
+
+def _eager_audited(test: TestRun, failing: set[int]) -> SizeRun | None:
+    return next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
+                 if r.launch.nproc in failing and (r.eager or r.eager_problem)), None)
+
+
 def eager_lines(test: TestRun, failing: set[int]) -> list[str]:
     """OneFlow's eager conversions at the largest failing size that recorded them, against the
     smallest launched size: the line, the conversion and what it costs a rank."""
-    audited = next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
-                    if r.launch.nproc in failing and (r.eager or r.eager_problem)), None)
+    audited = _eager_audited(test, failing)
     if audited is None:
         return []
     size = audited.launch.nproc

@@ -13,8 +13,8 @@ recorded there, each with the Python line that issued it:
   debug mode at the moment its library was loaded. ``ONEFLOW_DEBUG_MODE`` is therefore set for the
   ``dlopen`` of ``oneflow._oneflow_internal`` only (the logger is chosen by a static initializer) and
   removed at once, so nothing else runs in debug mode (its extra consistency checks communicate, and
-  the full mode crashed at exit on CPU). A line tracer notes the last line each traced frame ran; a
-  boxing that appears in the file between two line events belongs to the earlier one.
+  the full mode crashed at exit on CPU). A line tracer notes the line that runs (the caller's again
+  when a frame returns); a boxing that appears in the file between two events belongs to that line.
 
 What is not seen: the dtype of an inferred conversion is read from the tensors in the issuing
 frames (``size n/a`` where none matches); a job that sets ``GLOG_logtostderr=1`` or
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..sampling.sites import fold, is_internal
-from .boxing import _DTYPE_BYTES, TINY_BYTES, _ranges, format_bytes
+from .boxing import _DTYPE_BYTES, LAZY_CASTS, TINY_BYTES, _ranges, expected_in_data_parallel, format_bytes
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,12 @@ def _dtype_of(tensor: Any) -> str:
 
 # --------------------------------------------------------------------------- the recorder in a rank
 
-def _frames(frame: Any) -> list[tuple[str, str, int]]:
+def _frames(frame: Any, line: int | None = None) -> list[tuple[str, str, int]]:
+    """Innermost first; ``line``: the innermost frame's line when it was noted (it has run on since)."""
     out = []
+    if frame is not None and line is not None:
+        out.append((frame.f_code.co_name, frame.f_code.co_filename, line))
+        frame = frame.f_back
     while frame is not None:
         out.append((frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
@@ -217,8 +221,8 @@ class Recorder:
         self.log_fd: int | None = None
         self.log_pos = 0
         self.pending = ""
-        self.last: Any = None  # the frame of the last line event
-        self.last_line = 0
+        self.last: Any = None  # the frame of the last line event, and its line then
+        self.last_line: int | None = None
         self.problem = ""
 
     # ---- the log file
@@ -247,14 +251,15 @@ class Recorder:
     def add(self, conversion: Conversion) -> None:
         self.found[conversion] = self.found.get(conversion, 0) + 1
 
-    def line_of(self, frame: Any) -> str:
-        site = fold(_frames(frame), self.root)
+    def line_of(self, frame: Any, line: int | None = None) -> str:
+        site = fold(_frames(frame, line), self.root)
         return f"{site.where} {site.function}"
 
-    def add_logged(self, logged: Iterable[tuple[str, str, tuple[int, ...], str, str]], frame: Any, how: str) -> None:
+    def add_logged(self, logged: Iterable[tuple[str, str, tuple[int, ...], str, str]], frame: Any, how: str,
+                   line: int | None = None) -> None:
         for src, dst, shape, before, after in logged:
             placement = after if before == after else f"{before} -> {after}"
-            self.add(Conversion(src, dst, self.line_of(frame), shape, _dtype_near(frame, shape, src),
+            self.add(Conversion(src, dst, self.line_of(frame, line), shape, _dtype_near(frame, shape),
                                 placement, _count(after) or 1, how))
 
     def records(self) -> list[dict[str, Any]]:
@@ -262,7 +267,7 @@ class Recorder:
 
     def write(self) -> None:
         try:
-            self.add_logged(self.drain(), self.last, "inferred")
+            self.add_logged(self.drain(), self.last, "inferred", self.last_line)
         except Exception:
             pass
         data = {"conversions": self.records(), "problem": self.problem}
@@ -299,11 +304,13 @@ class Recorder:
     def local(self, frame: Any, event: str, arg: Any) -> Any:
         if self.log_fd is not None and os.fstat(self.log_fd).st_size != self.log_pos and self.last is not None:
             try:
-                self.add_logged(self.drain(), self.last, "inferred")
+                self.add_logged(self.drain(), self.last, "inferred", self.last_line)
             except Exception:
                 pass
         if event == "line":
-            self.last = frame
+            self.last, self.last_line = frame, frame.f_lineno
+        elif event == "return" and frame.f_back is not None:  # the caller's line runs on: note it now
+            self.last, self.last_line = frame.f_back, frame.f_back.f_lineno
         return self.local
 
 
@@ -317,7 +324,7 @@ def _skipped(filename: str) -> bool:
     return "/oneflow/" not in filename and is_internal(filename) and "site-packages" not in filename
 
 
-def _dtype_near(frame: Any, shape: tuple[int, ...], sbp: str) -> str:
+def _dtype_near(frame: Any, shape: tuple[int, ...]) -> str:
     """The dtype of a global tensor of that logical shape in the issuing frames' locals, or ""."""
     depth = 0
     while frame is not None and depth < 6:
@@ -350,7 +357,9 @@ def wrap_to_global(flow: Any, rec: Recorder) -> None:
     def to_global(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         try:
-            if self.is_global and not getattr(self, "is_lazy", False):
+            if getattr(self, "is_lazy", False):  # a graph compiling: its audit takes the line
+                LAZY_CASTS.append((_sbp_of(self), _sbp_of(result), tuple(self.shape), rec.line_of(sys._getframe(1))))
+            elif self.is_global:
                 rec.drain()  # the logger's own lines for this call: the tensors say more
                 src, dst = _sbp_of(self), _sbp_of(result)
                 before, after = _placement_of(self), _placement_of(result)
@@ -475,12 +484,6 @@ def by_key(conversions: Iterable[Conversion]) -> dict[tuple[str, str, str], Conv
     return out
 
 
-def expected_in_data_parallel(c: Conversion) -> bool:
-    """A partial sum made whole or scattered (the gradients' all-reduce or reduce-scatter): what data
-    parallelism does at any size above one, so not news against one rank."""
-    return c.src == "P" and (c.dst == "B" or c.dst.startswith("S(")) and "->" not in c.placement
-
-
 def _tiny_move(c: Conversion) -> bool:
     size = c.logical_bytes
     return "->" in c.placement and c.src == c.dst and size is not None and size < TINY_BYTES
@@ -511,7 +514,7 @@ def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversi
     for key, c in by_key(found).items():
         old = before.get(key)
         added = c.added_bytes()
-        if not against_baseline and ref_size < size and expected_in_data_parallel(c):
+        if not against_baseline and ref_size < size and expected_in_data_parallel(c.kind):
             continue
         if old is not None:
             if against_baseline and c.count <= old.count and (added or 0) <= (old.added_bytes() or 0):

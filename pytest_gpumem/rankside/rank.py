@@ -344,11 +344,10 @@ def main(argv: list[str]) -> None:
     stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported
-    if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
-        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
     sites = not switched_off(SITES_ENV)
     root = Path(os.environ[ROOTDIR_ENV]) if os.environ.get(ROOTDIR_ENV) else None
     if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
+        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"), root)
         install_eager_hook(protocol.rank_file(workdir, rank, "eager"), root, protocol.rank_file(workdir, rank, "glog"))
     objects = os.environ.get(PYTHON_ALLOCATIONS_ENV, "objects").strip().lower() != "arenas"
     tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root, objects=objects)
