@@ -16,7 +16,7 @@ from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry
 from .judging.explain import provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
-from .judging.verdict import BaselineRef, Verdict, judge
+from .judging.verdict import BaselineRef, Verdict, judge, mib
 from .launching.runner import TestRun
 from .launching.runs import SizeRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
@@ -409,7 +409,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
             lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
     failing = {check.world_size for check in verdict.failures}
-    lines = [verdict.render(lead + eager_lines(test, failing) + sites)]
+    lines = [verdict.render(lead + eager_lines(test, failing) + higher_rank(verdict, test.spec.rank) + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     audited = _graph_audited(test, verdict)
@@ -464,6 +464,28 @@ def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[in
 def _eager_audited(test: TestRun, failing: set[int]) -> SizeRun | None:
     return next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
                  if r.launch.nproc in failing and (r.eager or r.eager_problem)), None)
+
+
+def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
+    """Where a rank other than the gated one peaked higher at a failing size: by how much, and the
+    argument that gates it (the gated rank alone may hide the largest figure)."""
+    if rank == "all":
+        return []
+    lines = []
+    for result in verdict.results:
+        if result.world_size not in {c.world_size for c in verdict.failures} or result.predicted:
+            continue
+        gated = result.peaks.get(int(rank))
+        others = [(p.mib, r) for r, p in result.peaks.items() if r != int(rank) and p.mib is not None]
+        if gated is None or gated.mib is None or not others:
+            continue
+        top, top_rank = max(others)
+        if top > gated.mib:
+            above = mib(top - gated.mib, verdict.digits)
+            lines.append(f"  rank {top_rank} peaked {above} MiB above the gated rank {rank} at "
+                         f"nproc={result.world_size} ({mib(top, verdict.digits)} MiB): "
+                         f'gate it with rank={top_rank} or rank="all"')
+    return lines
 
 
 def eager_lines(test: TestRun, failing: set[int]) -> list[str]:
