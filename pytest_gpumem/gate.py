@@ -409,7 +409,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
             lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
     failing = {check.world_size for check in verdict.failures}
-    lines = [verdict.render(lead + eager_lines(test, failing) + higher_rank(verdict, test.spec.rank) + sites)]
+    lines = [verdict.render(lead + eager_lines(test, failing, stored) + higher_rank(verdict, test.spec.rank) + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     audited = _graph_audited(test, verdict)
@@ -448,10 +448,11 @@ def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[in
     lines: list[str] = []
     eager_run = _eager_audited(test, {check.world_size for check in verdict.failures})
     if eager_run is not None:
-        smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < eager_run.launch.nproc]
-        if smaller:
-            ref_size, reference = min(smaller, key=lambda pair: pair[0])
-            lines += eager.compare(eager_run.eager, eager_run.launch.nproc, reference, ref_size)
+        size = eager_run.launch.nproc
+        smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
+        entry = stored.get(size)
+        compared = eager.news(size, eager_run.eager, smaller, entry.provenance if entry else None)
+        lines += compared[1] if compared else []
     graph_run = _graph_audited(test, verdict)
     if graph_run is not None:
         size = graph_run.launch.nproc
@@ -488,7 +489,7 @@ def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
     return lines
 
 
-def eager_lines(test: TestRun, failing: set[int]) -> list[str]:
+def eager_lines(test: TestRun, failing: set[int], stored: dict[int, Entry]) -> list[str]:
     """OneFlow's eager conversions at the largest failing size that recorded them, against the
     smallest launched size: the line, the conversion and what it costs a rank."""
     audited = _eager_audited(test, failing)
@@ -496,7 +497,9 @@ def eager_lines(test: TestRun, failing: set[int]) -> list[str]:
         return []
     size = audited.launch.nproc
     smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
-    return eager.scaling_lines(size, audited.eager, smaller, audited.eager_problem)
+    entry = stored.get(size)
+    return eager.scaling_lines(size, audited.eager, smaller, audited.eager_problem,
+                               entry.provenance if entry else None)
 
 
 _MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved

@@ -10,9 +10,11 @@ from typing import Iterable, Mapping
 
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
+from ..oneflow.eager import PROVENANCE_PREFIX as EAGER_PREFIX
 from .verdict import DIGITS, mib
 
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
+_AUDITS = (BOXING_PREFIX, EAGER_PREFIX)  # the conversion audits: shown in their own sections
 _IGNORED = {"date"}
 
 
@@ -27,7 +29,7 @@ def _rank(key: str) -> int:
 
 def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     """``config.activation_checkpoint: True -> False`` lines, declared config first."""
-    keys = sorted((k for k in (set(old) | set(new)) - _IGNORED if not k.startswith(BOXING_PREFIX)),
+    keys = sorted((k for k in (set(old) | set(new)) - _IGNORED if not k.startswith(_AUDITS)),
                   key=lambda k: (_rank(k), k))
     lines = []
     for key in keys:

@@ -471,6 +471,32 @@ def read(path: Path) -> tuple[list[Conversion], str]:
     return [Conversion.from_dict(c) for c in data.get("conversions", [])], str(data.get("problem", ""))
 
 
+PROVENANCE_PREFIX = "eager_boxing."  # a baseline's provenance keys of the eager audit
+_PROVENANCE_KEY = re.compile(r"^(?P<kind>.+) \((?P<how>to_global|inferred)\)$")
+
+
+def eager_provenance(path: Path) -> dict[str, str]:
+    """A rank's eager conversions counted by kind, as flat provenance for the baseline:
+    ``{"eager_boxing.S(0)->B (to_global)": "3"}`` (no lines: a line that moves is no news); empty
+    when the rank recorded none."""
+    found, _ = read(path)
+    counts: dict[str, int] = {}
+    for c in found:
+        key = f"{PROVENANCE_PREFIX}{c.kind} ({c.how})"
+        counts[key] = counts.get(key, 0) + c.count
+    return {key: str(n) for key, n in sorted(counts.items())}
+
+
+def stored_counts(provenance: Mapping[str, str]) -> dict[tuple[str, str], int]:
+    """``{(kind, how): count}`` as ``eager_provenance`` stored it; empty for a baseline without it."""
+    out = {}
+    for key, value in provenance.items():
+        m = _PROVENANCE_KEY.match(key[len(PROVENANCE_PREFIX):]) if key.startswith(PROVENANCE_PREFIX) else None
+        if m and value.isdigit():
+            out[(m["kind"], m["how"])] = int(value)
+    return out
+
+
 def by_key(conversions: Iterable[Conversion]) -> dict[tuple[str, str, str], Conversion]:
     """One conversion per key (kind, line, how), counts summed, the largest shape kept."""
     out: dict[tuple[str, str, str], Conversion] = {}
@@ -498,10 +524,9 @@ def _figure(c: Conversion | None, size: int) -> str:
     return f"none at nproc={size}" if added <= 0 else f"+{format_bytes(added)} at nproc={size}"
 
 
-def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversion], ref_size: int,
-            against_baseline: bool = False) -> list[str]:
-    """The conversions at ``size`` that are news against ``reference`` (another size's, or the
-    baseline's at the same size), the most memory a rank gains first::
+def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversion], ref_size: int) -> list[str]:
+    """The conversions at ``size`` that are news against another size's, the most memory a rank
+    gains first::
 
         S(0)->B at model.py:25 forward: +64.0 MiB at nproc=2 (none at nproc=1); to_global of (2048, 16384) float32, x3
 
@@ -510,37 +535,55 @@ def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversi
     placement-only moves of tiny tensors (a learning rate sent from rank 0 to every rank).
     """
     before = by_key(reference)
-    news: list[tuple[int, str]] = []
+    listed: list[tuple[int, str]] = []
     for key, c in by_key(found).items():
         old = before.get(key)
         added = c.added_bytes()
-        if not against_baseline and ref_size < size and expected_in_data_parallel(c.kind):
+        if ref_size < size and expected_in_data_parallel(c.kind):
             continue
-        if old is not None:
-            if against_baseline and c.count <= old.count and (added or 0) <= (old.added_bytes() or 0):
-                continue
-            if not against_baseline and (added or 0) <= (old.added_bytes() or 0):
-                continue
-        if _tiny_move(c):
+        if (old is not None and (added or 0) <= (old.added_bytes() or 0)) or _tiny_move(c):
             continue
-        head = f"{c.kind} at {c.line}: {_figure(c, size)}"
-        if against_baseline:
-            was = f"x{old.count} in the baseline" if old is not None else "not in the baseline"
-        else:
-            was = _figure(old, ref_size)
-        news.append((added if added is not None else -1, f"{head} ({was}); {c.describe()}"))
-    return [line for _, line in sorted(news, key=lambda item: -item[0])]
+        listed.append((added if added is not None else -1,
+                       f"{c.kind} at {c.line}: {_figure(c, size)} ({_figure(old, ref_size)}); {c.describe()}"))
+    return [line for _, line in sorted(listed, key=lambda item: -item[0])]
+
+
+def against_baseline(found: Sequence[Conversion], size: int, stored: Mapping[tuple[str, str], int]) -> list[str]:
+    """The conversions of a kind the baseline's audit did not have, or had fewer of, largest first:
+    ``S(0)->B at model.py:25 forward: +64.0 MiB at nproc=2 (S(0)->B x0 in the baseline); ...``."""
+    counts: dict[tuple[str, str], int] = {}
+    for c in found:
+        counts[(c.kind, c.how)] = counts.get((c.kind, c.how), 0) + c.count
+    grown = {key for key, n in counts.items() if n > stored.get(key, 0)}
+    listed = [c for c in by_key(found).values() if (c.kind, c.how) in grown and not _tiny_move(c)]
+    listed.sort(key=lambda c: -(c.added_bytes() or -1))
+    return [f"{c.kind} at {c.line}: {_figure(c, size)} ({c.kind} {c.how} x{stored.get((c.kind, c.how), 0)} in the "
+            f"baseline, x{counts[(c.kind, c.how)]} now); {c.describe()}" for c in listed]
+
+
+def news(size: int, found: Sequence[Conversion], smaller: Sequence[tuple[int, Sequence[Conversion]]],
+         baseline: Mapping[str, str] | None = None) -> tuple[str, list[str]] | None:
+    """What ``size``'s conversions are compared with (the baseline's audit where it stored one, else
+    the smallest launched size's) and the news against it; None when there is nothing to compare."""
+    stored = stored_counts(baseline) if baseline is not None else {}
+    if stored:
+        return "the baseline", against_baseline(found, size, stored)
+    if not smaller:
+        return None
+    ref_size, reference = min(smaller, key=lambda pair: pair[0])
+    return f"nproc={ref_size}", compare(found, size, reference, ref_size)
 
 
 def scaling_lines(size: int, found: Sequence[Conversion], smaller: Sequence[tuple[int, Sequence[Conversion]]],
-                  problem: str = "") -> list[str]:
-    """A failure's eager section for ``size``: its news against the smallest launched size."""
-    if not smaller:
+                  problem: str = "", baseline: Mapping[str, str] | None = None) -> list[str]:
+    """A failure's eager section for ``size``: its news against the baseline's audit, else against
+    the smallest launched size."""
+    compared = news(size, found, smaller, baseline)
+    if compared is None:
         return []
-    ref_size, reference = min(smaller, key=lambda pair: pair[0])
-    news = compare(found, size, reference, ref_size)
-    head = f"  eager boxing (SBP conversions) at nproc={size} against nproc={ref_size}"
-    lines = [f"{head}:", *(f"    {line}" for line in news)] if news else [
+    against, lines = compared
+    head = f"  eager boxing (SBP conversions) at nproc={size} against {against}"
+    lines = [f"{head}:", *(f"    {line}" for line in lines)] if lines else [
         f"{head}: no new conversions, none that holds more memory a rank"]
     if problem:
         lines.append(f"    ({problem})")

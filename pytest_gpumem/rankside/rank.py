@@ -218,7 +218,7 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None",
                  torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
-    from ..oneflow.eager import write_records
+    from ..oneflow.eager import eager_provenance, write_records
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
     from . import fakegpu, protocol, simulate
@@ -229,7 +229,8 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     if gpu_allocator and fakegpu.active:
         gpu_allocator["fake_gpu"] = fakegpu.describe()
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
-                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
+                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing")),
+                  **eager_provenance(protocol.rank_file(workdir, rank, "eager"))}
     measured = tracker.startup if this_rank.startup is None else None  # a probe's
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,

@@ -99,3 +99,19 @@ def test_the_same_conversion_from_many_calls_is_one_line_and_tiny_moves_are_left
     assert eager.compare([lr, weight], 2, [], 1) == [
         "B->B [cpu:0 -> cpu:0-1] at opt.py:2 step: none at nproc=2 (not at nproc=1); "
         "to_global of (4096, 4096) float32, x1"]
+
+
+def test_against_a_baseline_the_kinds_it_had_fewer_of_are_listed(tmp_path):
+    path = tmp_path / "rank-0.eager"
+    grads = _c("P", "B", line="train.py:9 step", how="inferred", count=4)
+    path.write_text(json.dumps({"conversions": [_c("S(0)", "B", count=2).as_dict(), grads.as_dict()]}))
+    stored = eager.eager_provenance(path)
+    assert stored == {"eager_boxing.P->B (inferred)": "4", "eager_boxing.S(0)->B (to_global)": "2"}
+    assert eager.stored_counts(stored) == {("P->B", "inferred"): 4, ("S(0)->B", "to_global"): 2}
+    now = [_c("S(0)", "B", count=2), grads,
+           _c("S(1)", "B", line="model.py:18 forward", how="inferred", shape=(1024, 2048), count=2)]
+    against, lines = eager.news(2, now, [(1, [])], stored)
+    assert against == "the baseline"
+    assert lines == ["S(1)->B at model.py:18 forward: +4.0 MiB at nproc=2 (S(1)->B inferred x0 in the baseline, "
+                     "x2 now); inferred of (1024, 2048) float32, x2"]
+    assert eager.news(2, now, [], {"oneflow": "0.9.0"}) is None  # a baseline from before the audit, no smaller size
