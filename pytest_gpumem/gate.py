@@ -481,7 +481,7 @@ def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
         if gated is None or gated.mib is None or not others:
             continue
         top, top_rank = max(others)
-        if top > gated.mib:
+        if top - gated.mib >= max(1.0, 0.01 * gated.mib):  # above the noise of equal ranks
             above = mib(top - gated.mib, verdict.digits)
             lines.append(f"  rank {top_rank} peaked {above} MiB above the gated rank {rank} at "
                          f"nproc={result.world_size} ({mib(top, verdict.digits)} MiB): "

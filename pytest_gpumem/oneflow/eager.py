@@ -510,9 +510,13 @@ def by_key(conversions: Iterable[Conversion]) -> dict[tuple[str, str, str], Conv
     return out
 
 
-def _tiny_move(c: Conversion) -> bool:
-    size = c.logical_bytes
-    return "->" in c.placement and c.src == c.dst and size is not None and size < TINY_BYTES
+def _tiny(c: Conversion) -> bool:
+    """Under :data:`TINY_BYTES` whatever its dtype (8 bytes an element where unknown): a learning rate
+    sent to every rank, a loss made partial. Never what inflated a rank."""
+    count = 1
+    for dim in c.shape:
+        count *= dim
+    return (c.logical_bytes if c.logical_bytes is not None else 8 * count) < TINY_BYTES
 
 
 def _figure(c: Conversion | None, size: int) -> str:
@@ -532,7 +536,7 @@ def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversi
 
     Listed: a conversion (kind and line) the reference lacks, or one that gains a rank more memory
     than it did there. Not listed against a smaller size: data parallelism's P->B and P->S. Nor
-    placement-only moves of tiny tensors (a learning rate sent from rank 0 to every rank).
+    conversions of tiny tensors (a learning rate sent from rank 0 to every rank).
     """
     before = by_key(reference)
     listed: list[tuple[int, str]] = []
@@ -541,7 +545,7 @@ def compare(found: Sequence[Conversion], size: int, reference: Sequence[Conversi
         added = c.added_bytes()
         if ref_size < size and expected_in_data_parallel(c.kind):
             continue
-        if (old is not None and (added or 0) <= (old.added_bytes() or 0)) or _tiny_move(c):
+        if (old is not None and (added or 0) <= (old.added_bytes() or 0)) or _tiny(c):
             continue
         listed.append((added if added is not None else -1,
                        f"{c.kind} at {c.line}: {_figure(c, size)} ({_figure(old, ref_size)}); {c.describe()}"))
@@ -555,7 +559,7 @@ def against_baseline(found: Sequence[Conversion], size: int, stored: Mapping[tup
     for c in found:
         counts[(c.kind, c.how)] = counts.get((c.kind, c.how), 0) + c.count
     grown = {key for key, n in counts.items() if n > stored.get(key, 0)}
-    listed = [c for c in by_key(found).values() if (c.kind, c.how) in grown and not _tiny_move(c)]
+    listed = [c for c in by_key(found).values() if (c.kind, c.how) in grown and not _tiny(c)]
     listed.sort(key=lambda c: -(c.added_bytes() or -1))
     return [f"{c.kind} at {c.line}: {_figure(c, size)} ({c.kind} {c.how} x{stored.get((c.kind, c.how), 0)} in the "
             f"baseline, x{counts[(c.kind, c.how)]} now); {c.describe()}" for c in listed]
