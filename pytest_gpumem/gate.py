@@ -413,6 +413,10 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
     audited = _graph_audited(test, verdict)
+    if audited is not None and (inputs := graph_input_lines(test, audited)):
+        lines.append(f"  nn.Graph inputs at nproc={audited.launch.nproc} that a rank holds more of than at the "
+                     "smallest size:")
+        lines.extend(f"    {line}" for line in inputs)
     if audited is not None:
         size = audited.launch.nproc
         entry = stored.get(size)
@@ -434,10 +438,20 @@ def _graph_audited(test: TestRun, verdict: Verdict) -> SizeRun | None:
     size that fails only as predicted was never launched: the largest launched one shows the trend."""
     failing = {check.world_size for check in verdict.failures}
     by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
-    audited = next((r for r in by_size if r.launch.nproc in failing and r.boxings), None)
+    audited = next((r for r in by_size if r.launch.nproc in failing and (r.boxings or r.graph_inputs)), None)
     if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
-        audited = next((r for r in by_size if r.boxings), None)
+        audited = next((r for r in by_size if r.boxings or r.graph_inputs), None)
     return audited
+
+
+def graph_input_lines(test: TestRun, audited: SizeRun) -> list[str]:
+    """The audited size's graph inputs that a rank holds more of than at the smallest launched size
+    (a batch broadcast before the call), or that changed SBP."""
+    smaller = [(r.launch.nproc, r.graph_inputs) for r in test.runs if r.launch.nproc < audited.launch.nproc]
+    if not smaller:
+        return []
+    ref_size, reference = min(smaller, key=lambda pair: pair[0])
+    return boxing.input_lines(audited.launch.nproc, audited.graph_inputs, ref_size, reference)
 
 
 def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[int, Entry]) -> list[str]:
@@ -458,6 +472,7 @@ def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[in
         size = graph_run.launch.nproc
         entry = stored.get(size)
         smaller_graphs = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
+        lines += graph_input_lines(test, graph_run)
         lines += boxing.headlines(size, graph_run.boxings, entry.provenance if entry else None, smaller_graphs)
     return lines
 

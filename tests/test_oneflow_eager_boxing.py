@@ -105,6 +105,9 @@ def test_graph_twins_name_the_same_lines(session):
     assert re.search(rf"{re.escape(MIX)}: net-add_n-\d+/out_0 \(256, 256\) float32 into net-matmul", text), text
     # the batch broadcast before the graph call is eager: named by the eager section
     assert f"S(0)->B at {BATCH}: +4.0 MiB at nproc=2 (none at nproc=1)" in text, text
+    # and the graph's own input is named with what a rank holds of it
+    assert re.search(r"graph input _Step_\d+_input\.0\.0 \(8192, 256\) float32: B, 8\.0 MiB a rank at nproc=2 "
+                     r"\(B, 4\.0 MiB at nproc=1\)", text), text
 
 
 def test_a_healthy_data_parallel_job_lists_no_new_conversion(session):

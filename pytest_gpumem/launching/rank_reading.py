@@ -106,10 +106,11 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
+    graphs = read_records(protocol.rank_file(workdir, 0, "boxing"))
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                   gpu_problems=list(getattr(gpu, "problems", []) or []),
-                  boxings=[b for rec in read_records(protocol.rank_file(workdir, 0, "boxing"))
-                           for b in rec.get("boxings", [])])
+                  boxings=[b for rec in graphs for b in rec.get("boxings", [])],
+                  graph_inputs=[i for rec in graphs for i in rec.get("inputs", [])])
     run.eager, run.eager_problem = eager.read(protocol.rank_file(workdir, 0, "eager"))
     run.startups = {rank: (float(r.alloc_startup[0]), float(r.alloc_startup[1])) for rank, r in reports.items()
                     if isinstance(r.alloc_startup, list) and len(r.alloc_startup) == 2}

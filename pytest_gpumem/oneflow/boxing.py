@@ -205,6 +205,53 @@ def loc_line(loc: str, root: Path | None = None) -> str:
     return "" if site.internal else f"{site.where} {site.function}"
 
 
+_INPUT_UID = re.compile(r"_\d+$")  # "_Step_0_input.0.0_2": the trailing id differs between jobs
+
+
+def graph_inputs(job: Any) -> list[dict[str, Any]]:
+    """The graph's inputs as it was compiled: ``{"name": "_Step_0_input.0.0", "sbp": "B", "tensor":
+    "(8192, 256) float32", "ranks": 2}`` each (the batch a job broadcast before the call is one)."""
+    sigs = job.job_parallel_view_conf.op_name2nd_sbp_signature_conf
+    descs = job.helper.lbn2logical_blob_desc
+    ranks = {name: len(_devices(g.parallel_conf)) for g in job.placement.placement_group for name in g.op_set.op_name}
+    out = []
+    for op in job.net.op:
+        if op.WhichOneof("op_type") != "input_conf" or op.name not in sigs:
+            continue
+        bn2sbp = sigs[op.name].bn_in_op2nd_sbp
+        if "out" not in bn2sbp:
+            continue
+        blob = _blob_str(f"{op.name}/out", descs.get(f"{op.name}/out"))
+        out.append({"name": _INPUT_UID.sub("", op.name), "sbp": _nd_sbp_str(bn2sbp["out"]),
+                    "tensor": blob.split(" ", 1)[1] if " " in blob else "", "ranks": ranks.get(op.name, 1)})
+    return out
+
+
+def _rank_bytes(item: Mapping[str, Any]) -> int | None:
+    """Bytes of a graph input on each rank: a split one is shared out, any other held whole."""
+    total = tensor_bytes(f"x {item.get('tensor', '')}")
+    if total is None:
+        return None
+    return total // max(1, int(item.get("ranks", 1))) if "S(" in str(item.get("sbp")) else total
+
+
+def input_lines(size: int, inputs: Sequence[Mapping[str, Any]], ref_size: int,
+                reference: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Graph inputs that a rank holds more of than at the reference, or with another SBP:
+    ``graph input _Step_0_input.0.0 (8192, 256) float32: B, 8.0 MiB a rank at nproc=2 (B, 4.0 MiB at nproc=1)``."""
+    before = {item["name"]: item for item in reference}
+    lines = []
+    for item in inputs:
+        old = before.get(item["name"])
+        now, then = _rank_bytes(item), _rank_bytes(old) if old is not None else None
+        grew = now is not None and then is not None and now - then >= TINY_BYTES
+        if old is None or not (grew or old.get("sbp") != item.get("sbp")):
+            continue
+        lines.append(f"graph input {item['name']} {item['tensor']}: {item['sbp']}, {format_bytes(now)} a rank at "
+                     f"nproc={size} ({old.get('sbp')}, {format_bytes(then)} at nproc={ref_size})")
+    return lines
+
+
 def audit_job(job: Any, root: Path | None = None) -> list[Boxing]:
     """Every SBP/placement conversion in a compiled ``Job`` proto (``oneflow.core.job.job_pb2.Job``),
     each with the user's line that built the op it feeds (else the op that produced the tensor)."""
@@ -425,7 +472,12 @@ def graph_record(graph: Any, root: Path | None = None,
     """``{"graph": name, "boxings": [...]}`` or, when the audit fails, ``{"graph": name, "error": ...}``."""
     name = str(getattr(graph, "name", None) or type(graph).__name__)
     try:
-        return {"graph": name, "boxings": [asdict(b) for b in with_cast_lines(audit_graph(graph, root), casts)]}
+        record: dict[str, Any] = {"graph": name,
+                                  "boxings": [asdict(b) for b in with_cast_lines(audit_graph(graph, root), casts)]}
+        job = graph_job(graph)
+        if job is not None:
+            record["inputs"] = graph_inputs(job)
+        return record
     except Exception as exc:
         return {"graph": name, "error": f"{type(exc).__name__}: {exc}"}
 

@@ -43,3 +43,15 @@ def test_headlines_name_the_line_and_leave_data_parallelism_out():
     stored = {"boxing.graphs": "1", "boxing.S(0)->B": "1"}
     assert boxing.headlines(2, found, stored, []) == [
         "P->B at w_opt (sgd_update): 4.0 MiB moved at nproc=2 (nn.Graph, new against the baseline)"]
+
+
+def test_a_graph_input_a_rank_holds_more_of_is_named_with_its_sizes():
+    """The batch broadcast before the call: B at both sizes, but twice the rows a rank at nproc=2."""
+    def item(name, sbp, rows, ranks):
+        return {"name": name, "sbp": sbp, "tensor": f"({rows}, 256) float32", "ranks": ranks}
+
+    one = [item("_Step_0_input.0.0", "S(0)", 4096, 1), item("_Step_2_input.0.0", "B", 4096, 1)]
+    two = [item("_Step_0_input.0.0", "S(0)", 8192, 2), item("_Step_2_input.0.0", "B", 8192, 2)]
+    assert boxing.input_lines(2, two, 1, one) == [
+        "graph input _Step_2_input.0.0 (8192, 256) float32: B, 8.0 MiB a rank at nproc=2 (B, 4.0 MiB at nproc=1)"]
+    assert boxing.input_lines(2, two, 2, two) == []
