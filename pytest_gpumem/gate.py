@@ -21,7 +21,7 @@ from .launching.runner import TestRun
 from .launching.runs import SizeRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
 from .measurement.size import ALLOCATED, SizeResult
-from .oneflow import boxing, eager
+from .oneflow import boxing, conversions
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from .sampling.sites import from_dicts
@@ -465,7 +465,7 @@ def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[in
         size = eager_run.launch.nproc
         smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
         entry = stored.get(size)
-        compared = eager.news(size, eager_run.eager, smaller, entry.provenance if entry else None)
+        compared = conversions.news(size, eager_run.eager, smaller, entry.provenance if entry else None)
         lines += compared[1] if compared else []
     graph_run = _graph_audited(test, verdict)
     if graph_run is not None:
@@ -513,7 +513,7 @@ def eager_lines(test: TestRun, failing: set[int], stored: dict[int, Entry]) -> l
     size = audited.launch.nproc
     smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
     entry = stored.get(size)
-    return eager.scaling_lines(size, audited.eager, smaller, audited.eager_problem,
+    return conversions.scaling_lines(size, audited.eager, smaller, audited.eager_problem,
                                entry.provenance if entry else None)
 
 

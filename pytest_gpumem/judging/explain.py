@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
-from ..oneflow.eager import PROVENANCE_PREFIX as EAGER_PREFIX
+from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX
 from .verdict import DIGITS, mib
 
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)

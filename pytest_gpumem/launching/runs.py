@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config.spec import Spec
 from ..measurement.size import SizeResult
-from ..oneflow.eager import Conversion
+from ..oneflow.conversions import Conversion
 from ..rankside import protocol
 from .launch import LaunchResult
 

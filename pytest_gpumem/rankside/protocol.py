@@ -19,7 +19,7 @@ body       the rank's pytest, as the   the launcher: a launch whose rendezvous p
            test body starts            relaunched only while no rank has started its body
 config     the ``gpumem_config`` call  the runner (declared settings, for provenance)
 boxing     the nn.Graph audit          the runner (``boxing.read_records``)
-eager      the eager global audit      the runner (``eager.read``)
+eager      the eager global audit      the runner (``conversions.read``)
 glog       OneFlow's glog folder, set  the rank's eager audit (its boxing logger's INFO lines)
            unless the job chose one
 snapshot   torch's allocator           the runner (moved out before the folder goes)

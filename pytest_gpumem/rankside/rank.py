@@ -218,7 +218,8 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None",
                  torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
-    from ..oneflow.eager import eager_provenance, write_records
+    from ..oneflow.conversions import eager_provenance
+    from ..oneflow.eager import write_records
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
     from . import fakegpu, protocol, simulate
