@@ -11,17 +11,16 @@ from typing import Callable
 
 from .config.settings import Settings
 from .config.spec import Spec, Tolerance
+from .judging import audit
 from .judging import growth as growth_mod
 from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry
-from .judging.explain import provenance_diff, timeline_lines
+from .judging.explain import higher_rank, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
-from .judging.verdict import BaselineRef, Verdict, judge, mib
+from .judging.verdict import BaselineRef, Verdict, judge
 from .launching.runner import TestRun
-from .launching.runs import SizeRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
 from .measurement.size import ALLOCATED, SizeResult
-from .oneflow import boxing, conversions
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from .sampling.sites import from_dicts
@@ -145,7 +144,7 @@ class Gate:
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
                              for n, (old, new) in sorted(changes.items())],
                     changed=changed, messages=problems or None, growth=grown,
-                    conversions=conversion_headlines(test, verdict, stored))
+                    conversions=audit.record_lines(test, verdict, stored))
         outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
         if test.skip_reason is not None:
             return outcome
@@ -409,19 +408,11 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
             lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
     failing = {check.world_size for check in verdict.failures}
-    lines = [verdict.render(lead + eager_lines(test, failing, stored) + higher_rank(verdict, test.spec.rank) + sites)]
+    lines = [verdict.render(lead + audit.eager_section(test, failing, stored) + higher_rank(verdict, test.spec.rank)
+                            + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
-    audited = _graph_audited(test, verdict)
-    if audited is not None and (inputs := graph_input_lines(test, audited)):
-        lines.append(f"  nn.Graph inputs at nproc={audited.launch.nproc} that a rank holds more of than at the "
-                     "smallest size:")
-        lines.extend(f"    {line}" for line in inputs)
-    if audited is not None:
-        size = audited.launch.nproc
-        entry = stored.get(size)
-        smaller = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
-        lines.extend(boxing.failure_lines(size, audited.boxings, entry.provenance if entry else None, smaller))
+    lines.extend(audit.graph_section(test, verdict, stored))
     snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
                  if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
     if snapshots:
@@ -431,90 +422,6 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
                      "commit the baseline file with the change")
     return "\n".join(lines)
-
-
-def _graph_audited(test: TestRun, verdict: Verdict) -> SizeRun | None:
-    """The largest failing size with an nn.Graph audit: one rank alone has no conversions to show. A
-    size that fails only as predicted was never launched: the largest launched one shows the trend."""
-    failing = {check.world_size for check in verdict.failures}
-    by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
-    audited = next((r for r in by_size if r.launch.nproc in failing and (r.boxings or r.graph_inputs)), None)
-    if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
-        audited = next((r for r in by_size if r.boxings or r.graph_inputs), None)
-    return audited
-
-
-def graph_input_lines(test: TestRun, audited: SizeRun) -> list[str]:
-    """The audited size's graph inputs that a rank holds more of than at the smallest launched size
-    (a batch broadcast before the call), or that changed SBP."""
-    smaller = [(r.launch.nproc, r.graph_inputs) for r in test.runs if r.launch.nproc < audited.launch.nproc]
-    if not smaller:
-        return []
-    ref_size, reference = min(smaller, key=lambda pair: pair[0])
-    return boxing.input_lines(audited.launch.nproc, audited.graph_inputs, ref_size, reference)
-
-
-def conversion_headlines(test: TestRun, verdict: Verdict | None, stored: dict[int, Entry]) -> list[str]:
-    """One line per new SBP conversion at the failing size, eager ones first, for the record (the
-    Markdown summary, the JSON report, JUnit): what the failure text lists in its audits."""
-    if verdict is None or verdict.passed:
-        return []
-    lines: list[str] = []
-    eager_run = _eager_audited(test, {check.world_size for check in verdict.failures})
-    if eager_run is not None:
-        size = eager_run.launch.nproc
-        smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
-        entry = stored.get(size)
-        compared = conversions.news(size, eager_run.eager, smaller, entry.provenance if entry else None)
-        lines += compared[1] if compared else []
-    graph_run = _graph_audited(test, verdict)
-    if graph_run is not None:
-        size = graph_run.launch.nproc
-        entry = stored.get(size)
-        smaller_graphs = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
-        lines += graph_input_lines(test, graph_run)
-        lines += boxing.headlines(size, graph_run.boxings, entry.provenance if entry else None, smaller_graphs)
-    return lines
-
-
-def _eager_audited(test: TestRun, failing: set[int]) -> SizeRun | None:
-    return next((r for r in sorted(test.runs, key=lambda r: -r.launch.nproc)
-                 if r.launch.nproc in failing and (r.eager or r.eager_problem)), None)
-
-
-def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
-    """Where a rank other than the gated one peaked higher at a failing size: by how much, and the
-    argument that gates it (the gated rank alone may hide the largest figure)."""
-    if rank == "all":
-        return []
-    lines = []
-    for result in verdict.results:
-        if result.world_size not in {c.world_size for c in verdict.failures} or result.predicted:
-            continue
-        gated = result.peaks.get(int(rank))
-        others = [(p.mib, r) for r, p in result.peaks.items() if r != int(rank) and p.mib is not None]
-        if gated is None or gated.mib is None or not others:
-            continue
-        top, top_rank = max(others)
-        if top - gated.mib >= max(1.0, 0.01 * gated.mib):  # above the noise of equal ranks
-            above = mib(top - gated.mib, verdict.digits)
-            lines.append(f"  rank {top_rank} peaked {above} MiB above the gated rank {rank} at "
-                         f"nproc={result.world_size} ({mib(top, verdict.digits)} MiB): "
-                         f'gate it with rank={top_rank} or rank="all"')
-    return lines
-
-
-def eager_lines(test: TestRun, failing: set[int], stored: dict[int, Entry]) -> list[str]:
-    """OneFlow's eager conversions at the largest failing size that recorded them, against the
-    smallest launched size: the line, the conversion and what it costs a rank."""
-    audited = _eager_audited(test, failing)
-    if audited is None:
-        return []
-    size = audited.launch.nproc
-    smaller = [(r.launch.nproc, r.eager) for r in test.runs if r.launch.nproc < size]
-    entry = stored.get(size)
-    return conversions.scaling_lines(size, audited.eager, smaller, audited.eager_problem,
-                               entry.provenance if entry else None)
 
 
 _MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved

@@ -527,7 +527,7 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
 def test_a_failure_says_when_another_rank_than_the_gated_one_peaked_higher():
     """Rank 0 gated by default while rank 1 held 18.6 MiB more (issue 57): the failure says so and
     names the argument that gates it; with rank="all" there is nothing to say."""
-    from pytest_gpumem.gate import higher_rank
+    from pytest_gpumem.judging.explain import higher_rank
 
     s = spec(nproc=[1, 2], max_ratio=1.1, allow_mib=0)
     results = [SizeResult(1, "cpu", {0: Peak(280.0, "live allocations (memray)")}),
