@@ -56,7 +56,7 @@ class Conversion:
         total = self.logical_bytes
         if total is None:
             return None
-        src_world, _, dst_world = _worlds(self.placement, self.world)
+        src_world, dst_world = _worlds(self.placement, self.world)
         return _local(total, self.dst, dst_world) - _local(total, self.src, src_world)
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,15 +77,16 @@ class Conversion:
         return f"{self.how} of {what}, x{self.count}"
 
 
-def _worlds(placement: str, world: int) -> tuple[int, str, int]:
-    """Ranks before and after: ``cpu:0 -> cpu:0-1`` is (1, ..., 2)."""
+def _worlds(placement: str, world: int) -> tuple[int, int]:
+    """Ranks before and after: ``cpu:0 -> cpu:0-1`` is (1, 2)."""
     if "->" not in placement:
-        return world, placement, world
+        return world, world
     before, after = (p.strip() for p in placement.split("->", 1))
-    return _count(before) or world, after, _count(after) or world
+    return _count(before) or world, _count(after) or world
 
 
 def _count(placement: str) -> int:
+    """Ranks in ``cpu:0-1,4`` (3); 0 when the text is not of that form."""
     ranks = placement.partition(":")[2]
     total = 0
     for part in filter(None, ranks.split(",")):
