@@ -52,10 +52,8 @@ def _line(source: str, text: str) -> int:
     return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    """The three tests run once, in a pytest of their own, for every check of this module."""
-    path = tmp_path_factory.mktemp("twins")
+def session(path: Path) -> tuple[str, dict[str, str], Path]:
+    """The three tests run once, in a pytest of their own: its output, each failure's text, its folder."""
     (path / "oneflow_twins.py").write_text(TWINS.read_text())
     (path / "test_twins.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GPUMEM_"))}
@@ -80,9 +78,17 @@ MIX = f"oneflow_twins.py:{_line(SOURCE, 'SBP inference boxes here')} forward"
 BATCH = f"oneflow_twins.py:{_line(SOURCE, 'x = x.to_global(sbp=flow.sbp.broadcast)')} run"
 
 
-def test_eager_twins_name_the_conversion_its_line_and_what_it_adds(session):
-    result, failures, _ = session
-    text = failures["test_eager_twins"]
+def test_oneflow_twins_name_the_conversion_its_line_and_its_size(tmp_path):
+    """One session for every check (under xdist a module fixture may run once a worker)."""
+    _, failures, path = session(tmp_path)
+    eager_twins(failures["test_eager_twins"])
+    graph_twins(failures["test_graph_twins"])
+    healthy(failures["test_healthy_dp"])
+    summary = (path / "summary.md").read_text()
+    assert f"S(0)->B at {TO_GLOBAL}" in summary, summary  # the Markdown summary carries the lines
+
+
+def eager_twins(text: str) -> None:
     section = text[text.index("eager boxing (SBP conversions) at nproc=2 against nproc=1:"):]
     lines = [line.strip() for line in section.splitlines()[1:5]]
     # first after the headline (and what changed): before the sites and the figures
@@ -98,9 +104,8 @@ def test_eager_twins_name_the_conversion_its_line_and_what_it_adds(session):
     assert not any(line.startswith("P->") for line in lines), lines
 
 
-def test_graph_twins_name_the_same_lines(session):
-    result, failures, _ = session
-    text = failures["test_graph_twins"]
+def graph_twins(text: str) -> None:
+    """The same twins under nn.Graph name the same lines."""
     assert re.search(rf"{re.escape(TO_GLOBAL)}: net-matmul-\d+/out_0 \(8192, 1024\) float32 into", text), text
     assert re.search(rf"{re.escape(MIX)}: net-add_n-\d+/out_0 \(256, 256\) float32 into net-matmul", text), text
     # the batch broadcast before the graph call is eager: named by the eager section
@@ -110,14 +115,7 @@ def test_graph_twins_name_the_same_lines(session):
                      r"\(B, 4\.0 MiB at nproc=1\)", text), text
 
 
-def test_a_healthy_data_parallel_job_lists_no_new_conversion(session):
-    result, failures, _ = session
-    text = failures["test_healthy_dp"]
+def healthy(text: str) -> None:
+    """A healthy data-parallel job lists no new conversion (its gradients' P->B is expected)."""
     assert "eager boxing (SBP conversions) at nproc=2 against nproc=1: no new conversions" in text, text
     assert "new: P->B" not in text, text
-
-
-def test_the_markdown_summary_carries_the_conversion_lines(session):
-    result, failures, path = session
-    summary = (path / "summary.md").read_text()
-    assert f"S(0)->B at {TO_GLOBAL}" in summary, summary
