@@ -766,10 +766,12 @@ def _against(size: int, baseline: Mapping[str, str] | None,
 
 
 def _news(boxings: Sequence[Boxing | Mapping[str, Any]], old: Mapping[str, int], scaling: bool) -> list[Boxing]:
+    """Against a smaller size, what any size above it does is no news: data parallelism's P->B and
+    P->S, and a tiny tensor (a learning rate) sent from one rank to all."""
     found = [_as_boxing(b) for b in boxings]
     if not scaling:
         return found
-    return [b for b in found if not (expected_in_data_parallel(b.kind) and not old.get(b.kind))]
+    return [b for b in found if not (expected_in_data_parallel(b.kind) and not old.get(b.kind)) and not _tiny_move(b)]
 
 
 def headlines(size: int, boxings: Sequence[Boxing | Mapping[str, Any]], baseline: Mapping[str, str] | None,
