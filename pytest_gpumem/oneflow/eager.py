@@ -248,19 +248,16 @@ def _log_dir() -> str:
 def install_eager_hook(out_path: Path, root: Path | None = None, log_dir: Path | None = None) -> None:
     """In a rank, before OneFlow is imported: record its eager conversions, written by ``write_records``.
 
-    Sets glog to write INFO lines to files (``GLOG_logtostderr=0``, ``GLOG_minloglevel=0``, in
-    ``log_dir`` unless the job chose a folder) unless the job set them itself. Costs nothing in a
-    rank that never imports OneFlow; nothing is done where OneFlow is already imported.
+    When OneFlow is imported, sets glog to write INFO lines to files (``GLOG_logtostderr=0``,
+    ``GLOG_minloglevel=0``, in ``log_dir`` unless the job chose a folder) unless the job set them
+    itself. Costs nothing in a rank that never imports OneFlow; nothing is done where OneFlow is
+    already imported.
     """
     global recorder
     if "oneflow" in sys.modules or recorder is not None:
         return
     recorder = Recorder(out_path, root)
-    if log_dir is not None and "GLOG_log_dir" not in os.environ:
-        os.environ["GLOG_log_dir"] = str(log_dir)
-    os.environ.setdefault("GLOG_logtostderr", "0")
-    os.environ.setdefault("GLOG_minloglevel", "0")
-    sys.meta_path.insert(0, _ImportWatcher(recorder))
+    sys.meta_path.insert(0, _ImportWatcher(recorder, log_dir))
 
 
 def write_records() -> None:
@@ -274,8 +271,8 @@ class _ImportWatcher:
     """Loads ``oneflow._oneflow_internal`` with debug mode on (the boxing logger is chosen then), and
     starts the recorder once ``oneflow`` has run its ``__init__``. Removes itself after both."""
 
-    def __init__(self, rec: Recorder) -> None:
-        self.rec = rec
+    def __init__(self, rec: Recorder, log_dir: Path | None) -> None:
+        self.rec, self.log_dir = rec, log_dir
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in ("oneflow", "oneflow._oneflow_internal"):
@@ -291,6 +288,7 @@ class _ImportWatcher:
         if spec is None or spec.loader is None:
             return spec
         if fullname == "oneflow":
+            _info_to_a_file(self.log_dir)  # before the package's __init__ starts OneFlow's logging
             spec.loader.exec_module = self._then_start(spec.loader.exec_module)  # type: ignore[method-assign]
         elif hasattr(spec.loader, "create_module"):
             spec.loader.create_module = _in_debug_mode(spec.loader.create_module)  # type: ignore[method-assign]
@@ -307,6 +305,15 @@ class _ImportWatcher:
                 rec.problem = f"the eager audit did not start: {exc!r}"
 
         return exec_module
+
+
+def _info_to_a_file(log_dir: Path | None) -> None:
+    """glog's INFO lines to a file (in ``log_dir`` unless the job chose a folder), unless the job set
+    where they go itself: OneFlow reads these variables when it starts its logging."""
+    if log_dir is not None and "GLOG_log_dir" not in os.environ:
+        os.environ["GLOG_log_dir"] = str(log_dir)
+    os.environ.setdefault("GLOG_logtostderr", "0")
+    os.environ.setdefault("GLOG_minloglevel", "0")
 
 
 def _in_debug_mode(create: Any) -> Any:
