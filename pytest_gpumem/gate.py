@@ -11,16 +11,16 @@ from typing import Any, Callable, Mapping
 
 from .config.settings import Settings
 from .config.spec import Spec, Tolerance
+from .judging import audit
 from .judging import growth as growth_mod
 from .judging.assemble import build
 from .judging.baseline import BaselineError, BaselineStore, Entry
-from .judging.explain import provenance_diff, timeline_lines
+from .judging.explain import higher_rank, provenance_diff, timeline_lines
 from .judging.record import BaselineChange, Cause, Status, TestRecord
 from .judging.verdict import BaselineRef, Verdict, judge
 from .launching.runner import TestRun
 from .measurement.provenance import CONFIG_PREFIX, config_provenance
 from .measurement.size import ALLOCATED, SizeResult
-from .oneflow import boxing
 from .sampling.allocations import is_allocation_method
 from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from .sampling.sites import from_dicts
@@ -143,7 +143,8 @@ class Gate:
                     allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
                              for n, (old, new) in sorted(changes.items())],
-                    changed=changed, messages=problems or None, growth=grown)
+                    changed=changed, messages=problems or None, growth=grown,
+                    conversions=audit.record_lines(test, verdict, stored))
         outcome = Outcome(record=rec, skip_reason=test.skip_reason, warnings=warnings)
         if test.skip_reason is not None:
             return outcome
@@ -412,21 +413,12 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed):
             lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
                         "compare the floor; if the job's own part did not move, refresh the baseline here)")
-    lines = [verdict.render(lead + sites)]
+    failing = {check.world_size for check in verdict.failures}
+    lines = [verdict.render(lead + audit.eager_section(test, failing, stored) + higher_rank(verdict, test.spec.rank)
+                            + sites)]
     lines.append("  per-rank peaks over the run:")
     lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
-    failing = {check.world_size for check in verdict.failures}
-    # The largest failing size with an audit: one rank alone has no conversions to show. A size
-    # that fails only as predicted was never launched: the largest launched one shows the trend.
-    by_size = sorted(test.runs, key=lambda r: -r.launch.nproc)
-    audited = next((r for r in by_size if r.launch.nproc in failing and r.boxings), None)
-    if audited is None and any(r.predicted for r in verdict.results if r.world_size in failing):
-        audited = next((r for r in by_size if r.boxings), None)
-    if audited is not None:
-        size = audited.launch.nproc
-        entry = stored.get(size)
-        smaller = [(r.launch.nproc, r.boxings) for r in test.runs if r.launch.nproc < size]
-        lines.extend(boxing.failure_lines(size, audited.boxings, entry.provenance if entry else None, smaller))
+    lines.extend(audit.graph_section(test, verdict, stored))
     snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
                  if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
     if snapshots:

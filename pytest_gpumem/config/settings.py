@@ -299,7 +299,7 @@ OPTIONS: tuple[Option, ...] = (
            "set for the ranks, CUDA initialised or OneFlow imported in pytest (docs/gpu.md)"),
     Option("boxing", "--gpumem-boxing", BOXING_ENV, "gpumem_boxing",
            _bool, "on", "on or off (also 1/0, true/false, yes/no)",
-           "audit OneFlow nn.Graph boxing (SBP conversions) in each rank and store it with the baseline",
+           "audit OneFlow's SBP conversions (eager and nn.Graph) in each rank and store it with the baseline",
            rank_env=True),
     Option("sites", "--gpumem-sites", SITES_ENV, "gpumem_sites",
            _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",

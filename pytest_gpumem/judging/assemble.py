@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Cause | None = None,
           baselines: Mapping[int, float] | None = None, allocated_baselines: Mapping[int, float] | None = None,
           changes: Sequence[BaselineChange] = (), changed: Sequence[str] = (),
-          messages: Sequence[str] | None = None, growth: Growth | None = None) -> TestRecord:
+          messages: Sequence[str] | None = None, growth: Growth | None = None,
+          conversions: Sequence[str] = ()) -> TestRecord:
     """The record of one test, from its run and its verdict: the one place that derives these facts."""
     spec = test.spec
     checks: dict[int, list[CheckRecord]] = {}
@@ -76,6 +77,7 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
         grown_sites=tuple(growth.grown) if growth is not None else (),
         grown_against=growth.against if growth is not None else "",
         sites_summary=growth.summary() if growth is not None else "",
+        conversions=tuple(conversions),
         cause=cause,
     )
 

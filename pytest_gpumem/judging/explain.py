@@ -10,9 +10,11 @@ from typing import Iterable, Mapping
 
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
-from .verdict import DIGITS, mib
+from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX
+from .verdict import DIGITS, Verdict, mib
 
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
+_AUDITS = (BOXING_PREFIX, EAGER_PREFIX)  # the conversion audits: shown in their own sections
 _IGNORED = {"date"}
 
 
@@ -27,7 +29,7 @@ def _rank(key: str) -> int:
 
 def provenance_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     """``config.activation_checkpoint: True -> False`` lines, declared config first."""
-    keys = sorted((k for k in (set(old) | set(new)) - _IGNORED if not k.startswith(BOXING_PREFIX)),
+    keys = sorted((k for k in (set(old) | set(new)) - _IGNORED if not k.startswith(_AUDITS)),
                   key=lambda k: (_rank(k), k))
     lines = []
     for key in keys:
@@ -77,4 +79,26 @@ def timeline_lines(results: Iterable[SizeResult], digits: int = DIGITS) -> list[
         spread = imbalance(result)
         tail = f"; imbalance {spread * 100:.1f}%" if spread is not None else ""
         lines.append(f"nproc={result.world_size} ({result.duration_s:.1f} s): " + ", ".join(cells) + tail)
+    return lines
+
+
+def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
+    """Where a rank other than the gated one peaked higher at a failing size: by how much, and the
+    argument that gates it (the gated rank alone may hide the largest figure)."""
+    if rank == "all":
+        return []
+    lines = []
+    for result in verdict.results:
+        if result.world_size not in {c.world_size for c in verdict.failures} or result.predicted:
+            continue
+        gated = result.peaks.get(int(rank))
+        others = [(p.mib, r) for r, p in result.peaks.items() if r != int(rank) and p.mib is not None]
+        if gated is None or gated.mib is None or not others:
+            continue
+        top, top_rank = max(others)
+        if top - gated.mib >= max(1.0, 0.01 * gated.mib):  # above the noise of equal ranks
+            above = mib(top - gated.mib, verdict.digits)
+            lines.append(f"  rank {top_rank} peaked {above} MiB above the gated rank {rank} at "
+                         f"nproc={result.world_size} ({mib(top, verdict.digits)} MiB): "
+                         f'gate it with rank={top_rank} or rank="all"')
     return lines

@@ -187,6 +187,9 @@ class TestRecord:
     grown_sites: tuple[SiteChange, ...] = ()  # what grew at the failing size, largest first
     grown_against: str = ""  # "nproc=1" or "the baseline"
     sites_summary: str = ""  # what the listed sites leave out (shrunk, the framework's internals)
+    # OneFlow's new SBP conversions at the failing size, one line each, largest first:
+    # "S(0)->B at model.py:25 forward: +64.0 MiB at nproc=2 (none at nproc=1); to_global of ..."
+    conversions: tuple[str, ...] = ()
     cause: Cause | None = None  # where status is failed or xfailed
 
     def with_status(self, status: Status, cause: Cause | None = None) -> TestRecord:
@@ -246,6 +249,7 @@ class TestRecord:
                             for c in self.grown_sites],
             "grown_against": self.grown_against,
             "sites_summary": self.sites_summary,
+            "conversions": list(self.conversions),
         }
 
 

@@ -370,7 +370,8 @@ class _Reader(_Fields):
             messages=messages, notes=self.texts(raw, "notes", where),
             baseline_changes=tuple(changes), changed_since_baseline=self.texts(raw, "changed_since_baseline", where),
             grown_sites=tuple(grown), grown_against=self.text(raw, "grown_against", where, ""),
-            sites_summary=self.text(raw, "sites_summary", where, ""), cause=cause)
+            sites_summary=self.text(raw, "sites_summary", where, ""),
+            conversions=self.texts(raw, "conversions", where), cause=cause)
 
 
 def read_record(raw: Any, where: str = "record") -> TestRecord:

@@ -64,4 +64,5 @@ def merged(runs: list[SizeRun], gpus: int) -> SizeRun:
         gpu_problems=[p for run in runs for p in run.gpu_problems],
         notes=list(dict.fromkeys(n for run in runs for n in run.notes)) + [cost],
         snapshots=_union([run.snapshots for run in runs]), boxings=list(first.boxings),
+        eager=list(first.eager), eager_problem=first.eager_problem, graph_inputs=list(first.graph_inputs),
         startups=_union([run.startups for run in runs]), startup_files=dict(first.startup_files))

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..config.spec import Spec
 from ..measurement.provenance import config_provenance
 from ..measurement.size import SizeResult
+from ..oneflow import conversions
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
 from ..sampling import AllocatedPeak, Peak
@@ -111,10 +112,12 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
                                      for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
+    graphs = read_records(protocol.rank_file(workdir, 0, "boxing"))
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                   gpu_problems=list(getattr(gpu, "problems", []) or []),
-                  boxings=[b for rec in read_records(protocol.rank_file(workdir, 0, "boxing"))
-                           for b in rec.get("boxings", [])])
+                  boxings=[b for rec in graphs for b in rec.get("boxings", [])],
+                  graph_inputs=[i for rec in graphs for i in rec.get("inputs", [])])
+    run.eager, run.eager_problem = conversions.read(protocol.rank_file(workdir, 0, "eager"))
     run.startups = {rank: (float(r.alloc_startup[0]), float(r.alloc_startup[1])) for rank, r in reports.items()
                     if isinstance(r.alloc_startup, list) and len(r.alloc_startup) == 2}
     for report in reports.values():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config.spec import Spec
 from ..measurement.size import SizeResult
+from ..oneflow.conversions import Conversion
 from ..rankside import protocol
 from .launch import LaunchResult
 
@@ -24,6 +25,9 @@ class SizeRun:
     notes: list[str] = field(default_factory=list)
     snapshots: dict[int, Path] = field(default_factory=dict)  # rank -> torch allocator snapshot
     boxings: list[dict] = field(default_factory=list)  # rank 0's nn.Graph SBP conversions
+    graph_inputs: list[dict] = field(default_factory=list)  # rank 0's nn.Graph inputs (their SBP and size)
+    eager: list[Conversion] = field(default_factory=list)  # rank 0's eager global SBP conversions
+    eager_problem: str = ""  # what the eager audit could not see, when it ran
     startups: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> its start-up (live, peak) MiB
     startup_files: dict[str, str] = field(default_factory=dict)  # rootdir files the ranks imported -> SHA-256
 

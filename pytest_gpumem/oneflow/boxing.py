@@ -51,7 +51,7 @@ import json
 import re
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -65,6 +65,7 @@ class Boxing:
     op: str  # the consuming op, "name (type)"
     tensor: str  # the logical blob, "producer/blob (shape) dtype"
     placement: str = ""  # "cpu:0 -> cpu:0-1" when the placement changes too, else ""
+    line: str = ""  # "model.py:25 forward": the user's line that built the consuming op (its ``loc``), or ""
 
     @property
     def kind(self) -> str:
@@ -188,8 +189,72 @@ def _bn_key(bn: str) -> tuple:
     return (head, int(idx)) if idx.isdigit() else (bn, -1)
 
 
-def audit_job(job: Any) -> list[Boxing]:
-    """Every SBP/placement conversion in a compiled ``Job`` proto (``oneflow.core.job.job_pb2.Job``)."""
+_LOC_FRAME = re.compile(r"Python Stack\[(-?\d+)\]: '?([^' ]+)'? at '([^']+)': line (\d+)")
+
+
+def loc_line(loc: str, root: Path | None = None) -> str:
+    """The user's line in an op's ``loc`` (``Python Stack[-2]: 'forward' at '/x/model.py': line 25; ...``,
+    what nn.Graph records of the Python stack that built the op), as ``model.py:25 forward``; ""
+    when the recorded frames are all OneFlow's (or there are none)."""
+    from ..sampling.sites import fold
+
+    frames = sorted(((int(i), fn, file, int(line)) for i, fn, file, line in _LOC_FRAME.findall(loc)), reverse=True)
+    if not frames:
+        return ""
+    site = fold([(fn, file, line) for _, fn, file, line in frames], root)
+    return "" if site.internal else f"{site.where} {site.function}"
+
+
+_INPUT_UID = re.compile(r"_\d+$")  # "_Step_0_input.0.0_2": the trailing id differs between jobs
+
+
+def graph_inputs(job: Any) -> list[dict[str, Any]]:
+    """The graph's inputs as it was compiled: ``{"name": "_Step_0_input.0.0", "sbp": "B", "tensor":
+    "(8192, 256) float32", "ranks": 2}`` each (the batch a job broadcast before the call is one)."""
+    sigs = job.job_parallel_view_conf.op_name2nd_sbp_signature_conf
+    descs = job.helper.lbn2logical_blob_desc
+    ranks = {name: len(_devices(g.parallel_conf)) for g in job.placement.placement_group for name in g.op_set.op_name}
+    out = []
+    for op in job.net.op:
+        if op.WhichOneof("op_type") != "input_conf" or op.name not in sigs:
+            continue
+        bn2sbp = sigs[op.name].bn_in_op2nd_sbp
+        if "out" not in bn2sbp:
+            continue
+        blob = _blob_str(f"{op.name}/out", descs.get(f"{op.name}/out"))
+        out.append({"name": _INPUT_UID.sub("", op.name), "sbp": _nd_sbp_str(bn2sbp["out"]),
+                    "tensor": blob.split(" ", 1)[1] if " " in blob else "", "ranks": ranks.get(op.name, 1)})
+    return out
+
+
+def _rank_bytes(item: Mapping[str, Any]) -> int | None:
+    """Bytes of a graph input on each rank: a split one is shared out, any other held whole."""
+    total = tensor_bytes(f"x {item.get('tensor', '')}")
+    if total is None:
+        return None
+    return total // max(1, int(item.get("ranks", 1))) if "S(" in str(item.get("sbp")) else total
+
+
+def input_lines(size: int, inputs: Sequence[Mapping[str, Any]], ref_size: int,
+                reference: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Graph inputs that a rank holds more of than at the reference, or with another SBP:
+    ``graph input _Step_0_input.0.0 (8192, 256) float32: B, 8.0 MiB a rank at nproc=2 (B, 4.0 MiB at nproc=1)``."""
+    before = {item["name"]: item for item in reference}
+    lines = []
+    for item in inputs:
+        old = before.get(item["name"])
+        now, then = _rank_bytes(item), _rank_bytes(old) if old is not None else None
+        grew = now is not None and then is not None and now - then >= TINY_BYTES
+        if old is None or not (grew or old.get("sbp") != item.get("sbp")):
+            continue
+        lines.append(f"graph input {item['name']} {item['tensor']}: {item['sbp']}, {format_bytes(now)} a rank at "
+                     f"nproc={size} ({old.get('sbp')}, {format_bytes(then)} at nproc={ref_size})")
+    return lines
+
+
+def audit_job(job: Any, root: Path | None = None) -> list[Boxing]:
+    """Every SBP/placement conversion in a compiled ``Job`` proto (``oneflow.core.job.job_pb2.Job``),
+    each with the user's line that built the op it feeds (else the op that produced the tensor)."""
     ops = {op.name: op for op in job.net.op}
     sigs = job.job_parallel_view_conf.op_name2nd_sbp_signature_conf
     args = job.helper.op_name2arg_signature
@@ -248,14 +313,16 @@ def audit_job(job: Any) -> list[Boxing]:
             if key in seen:  # the same blob read twice by one op is boxed once
                 continue
             seen.add(key)
-            found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn)), where))
+            line = loc_line(op.loc, root) or loc_line(ops[producer].loc, root)
+            found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn)), where, line))
         if (_is_conversion_op(op_type) and len(inputs) == len(outputs)
                 and not (name in group_of and group_single[group_of[name]])):
             for (ibn, lbn), (obn, _) in zip(inputs, outputs):
                 if ibn in bn2sbp and obn in bn2sbp:
                     src, dst = _nd_sbp_str(bn2sbp[ibn]), _nd_sbp_str(bn2sbp[obn])
                     if src != dst:
-                        found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn))))
+                        found.append(Boxing(src, dst, op_label, _blob_str(lbn, descs.get(lbn)),
+                                            line=loc_line(op.loc, root)))
     return found
 
 
@@ -325,7 +392,7 @@ def graph_job(graph: Any) -> Any:
     return None
 
 
-def audit_graph(graph: Any) -> list[Boxing]:
+def audit_graph(graph: Any, root: Path | None = None) -> list[Boxing]:
     """The conversions of ``graph`` (an ``oneflow.nn.Graph`` after its first call).
 
     From the compiled job proto; from ``repr(graph)`` when the proto is missing or lacks the fields
@@ -337,7 +404,7 @@ def audit_graph(graph: Any) -> list[Boxing]:
     errors = []
     if job is not None:
         try:
-            return audit_job(job)
+            return audit_job(job, root)
         except Exception as exc:  # a proto of another shape: try the repr
             errors.append(f"proto: {exc!r}")
     try:
@@ -382,11 +449,35 @@ def diff(old: Mapping[str, int], new: Mapping[str, int]) -> list[str]:
     return [line for group in (new_kinds, more, fewer, gone) for _, _, line in sorted(group)]
 
 
-def graph_record(graph: Any) -> dict[str, Any]:
+# ``to_global`` calls on lazy tensors while a graph compiles, as (src, dst, logical shape, line): the
+# eager audit's wrapper appends them (oneflow/eager.py). OneFlow's passes fold the cast op such a call
+# builds into its consumer's input SBP, and with it the line; this list gives the line back.
+LAZY_CASTS: list[tuple[str, str, tuple[int, ...], str]] = []
+
+
+def _shape_of(tensor: str) -> tuple[int, ...] | None:
+    m = _SHAPE_DTYPE.search(tensor)
+    return tuple(int(d) for d in m.group(1).split(",") if d.strip()) if m else None
+
+
+def with_cast_lines(found: Sequence[Boxing], casts: Sequence[tuple[str, str, tuple[int, ...], str]]) -> list[Boxing]:
+    """The conversions, each that a ``to_global`` in the graph asked for (same SBPs and shape) given
+    that call's line."""
+    lines = {(src, dst, shape): line for src, dst, shape, line in casts}
+    return [replace(b, line=lines.get((b.src, b.dst, _shape_of(b.tensor) or ()), b.line)) for b in found]
+
+
+def graph_record(graph: Any, root: Path | None = None,
+                 casts: Sequence[tuple[str, str, tuple[int, ...], str]] = ()) -> dict[str, Any]:
     """``{"graph": name, "boxings": [...]}`` or, when the audit fails, ``{"graph": name, "error": ...}``."""
     name = str(getattr(graph, "name", None) or type(graph).__name__)
     try:
-        return {"graph": name, "boxings": [asdict(b) for b in audit_graph(graph)]}
+        record: dict[str, Any] = {"graph": name,
+                                  "boxings": [asdict(b) for b in with_cast_lines(audit_graph(graph, root), casts)]}
+        job = graph_job(graph)
+        if job is not None:
+            record["inputs"] = graph_inputs(job)
+        return record
     except Exception as exc:
         return {"graph": name, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -446,7 +537,8 @@ def format_bytes(count: int | None) -> str:
 def _as_boxing(b: Boxing | Mapping[str, Any]) -> Boxing:
     if isinstance(b, Boxing):
         return b
-    return Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor")}, placement=b.get("placement", ""))
+    return Boxing(**{k: b[k] for k in ("src", "dst", "op", "tensor")}, placement=b.get("placement", ""),
+                  line=b.get("line", ""))
 
 
 def _tiny_move(b: Boxing) -> bool:
@@ -493,7 +585,8 @@ def explain(old: Mapping[str, int], boxings: Iterable[Boxing | Mapping[str, Any]
         sizes = [tensor_bytes(b.tensor) for b in same]
         total = sum(s for s in sizes if s is not None)
         head = line + (f"; {format_bytes(total)} moved" if any(s is not None for s in sizes) else "")
-        block = [head] + [f"  {format_bytes(tensor_bytes(b.tensor))}  {b.tensor} into {b.op}" for b in same[:limit]]
+        block = [head] + [f"  {format_bytes(tensor_bytes(b.tensor))}  {b.line + ': ' if b.line else ''}{b.tensor} "
+                          f"into {b.op}" for b in same[:limit]]
         if len(same) > limit:
             block.append(f"  ... and {len(same) - limit} more")
         groups["new" if line.startswith("new:") else "more"].append((total, block))
@@ -560,7 +653,19 @@ def audit_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
 _HOOK_FLAG = "_gpumem_boxing_hook"
 
 
-def _patch(flow: Any, out_path: Path) -> None:
+STACK_DEPTH = 8  # frames nn.Graph keeps in each op's ``loc`` while it compiles (OneFlow's default: 2)
+
+
+def _deeper_stacks(flow: Any) -> Any:
+    """Let the ops a graph builds record enough frames to reach the user's line past OneFlow's own
+    modules (``nn.Sequential`` -> ``nn.Linear`` -> the op); returns the undo."""
+    internal = flow._oneflow_internal
+    before = internal.GetGraphDebugMaxPyStackDepth()
+    internal.SetGraphDebugMaxPyStackDepth(max(before, STACK_DEPTH))
+    return lambda: internal.SetGraphDebugMaxPyStackDepth(before)
+
+
+def _patch(flow: Any, out_path: Path, root: Path | None = None) -> None:
     graph_cls = flow.nn.Graph
     if getattr(graph_cls.__call__, _HOOK_FLAG, False):
         return
@@ -569,10 +674,19 @@ def _patch(flow: Any, out_path: Path) -> None:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(_HOOK_FLAG):  # after the first call: one dict lookup, nothing else
             return original(self, *args, **kwargs)
-        result = original(self, *args, **kwargs)
+        try:
+            undo = _deeper_stacks(flow)
+        except Exception:  # another OneFlow: the lines stay as deep as it records them
+            undo = None
+        LAZY_CASTS.clear()
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            if undo is not None:
+                undo()
         self.__dict__[_HOOK_FLAG] = True
         try:
-            record = graph_record(self)
+            record = graph_record(self, root, list(LAZY_CASTS))
             with open(out_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         except Exception:  # the audit must never change the test's outcome
@@ -584,7 +698,7 @@ def _patch(flow: Any, out_path: Path) -> None:
     graph_cls.__call__ = __call__
 
 
-def install_graph_hook(out_path: Path) -> None:
+def install_graph_hook(out_path: Path, root: Path | None = None) -> None:
     """In a rank: after each nn.Graph's first call, append its audit to ``out_path`` (JSON lines).
 
     Costs nothing and writes nothing when the rank never imports OneFlow: if it is already
@@ -595,9 +709,9 @@ def install_graph_hook(out_path: Path) -> None:
     out_path = Path(out_path)
     flow = sys.modules.get("oneflow")
     if flow is not None and hasattr(getattr(flow, "nn", None), "Graph"):
-        _patch(flow, out_path)
+        _patch(flow, out_path, root)
     else:
-        sys.meta_path.insert(0, _GraphImportWatcher(out_path))
+        sys.meta_path.insert(0, _GraphImportWatcher(out_path, root))
 
 
 class _GraphImportWatcher:
@@ -605,8 +719,8 @@ class _GraphImportWatcher:
     ``oneflow.nn.Graph.__call__`` right after the package's ``__init__`` ran. It removes itself at
     that import; until then it costs one string comparison per new import."""
 
-    def __init__(self, out_path: Path) -> None:
-        self.out_path = out_path
+    def __init__(self, out_path: Path, root: Path | None = None) -> None:
+        self.out_path, self.root = out_path, root
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != "oneflow":
@@ -618,12 +732,12 @@ class _GraphImportWatcher:
         spec = importlib.util.find_spec(fullname)  # the finders after us
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_original, out_path = spec.loader.exec_module, self.out_path
+        exec_original, out_path, root = spec.loader.exec_module, self.out_path, self.root
 
         def exec_module(module: Any) -> None:
             exec_original(module)
             try:
-                _patch(module, out_path)
+                _patch(module, out_path, root)
             except Exception:  # an unexpected OneFlow: no audit, but the import stands
                 pass
 
@@ -631,19 +745,62 @@ class _GraphImportWatcher:
         return spec
 
 
+def expected_in_data_parallel(kind: str) -> bool:
+    """``P->B``, ``P->S(0)``: a partial sum made whole or scattered, as data parallelism does with its
+    gradients at any size above one; not news against one rank."""
+    src, _, dst = kind.partition("->")
+    return src == "P" and (dst == "B" or (dst.startswith("S(") and dst.endswith(")") and "[" not in dst))
+
+
+def _against(size: int, baseline: Mapping[str, str] | None,
+             smaller: Sequence[tuple[int, Sequence[Boxing | Mapping[str, Any]]]]) -> tuple[dict[str, int], str, bool]:
+    """What a size's audit is compared with: the baseline's audit, else the smallest launched size's;
+    and whether that is a smaller size (data parallelism's own conversions are then expected)."""
+    old = from_provenance(baseline) if baseline is not None else None
+    if old is not None:
+        return old, "against the baseline", False
+    if smaller:
+        n, first = min(smaller, key=lambda pair: pair[0])
+        return summarize(first), f"against nproc={n} (no audited baseline)", True
+    return {}, "(no audited baseline to compare)", True
+
+
+def _news(boxings: Sequence[Boxing | Mapping[str, Any]], old: Mapping[str, int], scaling: bool) -> list[Boxing]:
+    """Against a smaller size, what any size above it does is no news: data parallelism's P->B and
+    P->S, and a tiny tensor (a learning rate) sent from one rank to all."""
+    found = [_as_boxing(b) for b in boxings]
+    if not scaling:
+        return found
+    return [b for b in found if not (expected_in_data_parallel(b.kind) and not old.get(b.kind)) and not _tiny_move(b)]
+
+
+def headlines(size: int, boxings: Sequence[Boxing | Mapping[str, Any]], baseline: Mapping[str, str] | None,
+              smaller: Sequence[tuple[int, Sequence[Boxing | Mapping[str, Any]]]]) -> list[str]:
+    """One line per new or grown kind and line, largest first, in the shape the eager audit writes:
+    ``S(0)->B at model.py:25 forward: 32.0 MiB moved at nproc=2 (new against nproc=1)``."""
+    old, against, scaling = _against(size, baseline, smaller)
+    found = _news(boxings, old, scaling)
+    counts = summarize(found)
+    grown = {kind for kind, n in counts.items() if n > int(old.get(kind, 0))}
+    best: dict[tuple[str, str], Boxing] = {}
+    for b in found:
+        if b.kind not in grown or _tiny_move(b):
+            continue
+        key = (b.kind, b.line or b.op)
+        if key not in best or (tensor_bytes(b.tensor) or -1) > (tensor_bytes(best[key].tensor) or -1):
+            best[key] = b
+    ranked = sorted(best.values(), key=lambda b: -(tensor_bytes(b.tensor) or -1))
+    return [f"{b.kind} at {b.line or b.op}: {format_bytes(tensor_bytes(b.tensor))} moved at nproc={size} "
+            f"(nn.Graph, new {against.split(' (')[0]})" for b in ranked]
+
+
 def failure_lines(size: int, boxings: Sequence[Boxing | Mapping[str, Any]], baseline: Mapping[str, str] | None,
                   smaller: Sequence[tuple[int, Sequence[Boxing | Mapping[str, Any]]]]) -> list[str]:
     """A failure's nn.Graph section for the audited size: its new or grown conversions against the
-    baseline's audit (its provenance), else against the smallest launched size's (one rank: none)."""
-    old = from_provenance(baseline) if baseline is not None else None
-    if old is not None:
-        against = "against the baseline"
-    elif smaller:
-        n, first = min(smaller, key=lambda pair: pair[0])
-        old, against = summarize(first), f"against nproc={n} (no audited baseline)"
-    else:
-        old, against = {}, "(no audited baseline to compare)"
-    found = explain(old, boxings)
+    baseline's audit (its provenance), else against the smallest launched size's (one rank: none),
+    where data parallelism's P->B and P->S are expected, not new."""
+    old, against, scaling = _against(size, baseline, smaller)
+    found = explain(old, _news(boxings, old, scaling))
     if not found:
         return [f"  nn.Graph boxing (SBP conversions) at nproc={size} {against}: "
                 "no new or grown conversions; the memory came from elsewhere"]

@@ -144,10 +144,20 @@ def _md_messages(records: Sequence[TestRecord]) -> list[str]:
             if rec.grown_sites:  # the line that holds the memory, top 3
                 lines.append(f"  - peak sites that grew since {rec.grown_against}: "
                              + ", ".join(f"`{_cell(c.brief())}`" for c in rec.grown_sites[:3]))
+            lines.extend(_md_conversions(rec))
             lines.extend(f"- **{rec.status}** `{rec.test}`: {_indent(m)}" for m in messages[1:])
         if lines:
             out += ["", f"**{headings[cause] if cause else 'Messages'}**", "", *lines]
     return out
+
+
+def _md_conversions(rec: TestRecord, top: int = 3) -> list[str]:
+    """OneFlow's new SBP conversions under a failure (the line that asked for the memory), top 3."""
+    if not rec.conversions:
+        return []
+    more = len(rec.conversions) - top
+    return ["  - new SBP conversions (OneFlow): " + ", ".join(f"`{_cell(c)}`" for c in rec.conversions[:top])
+            + (f" and {more} more" if more > 0 else "")]
 
 
 def _md_notes(records: Sequence[TestRecord]) -> list[str]:
@@ -275,6 +285,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         ("gpumem_device", ",".join(devices) or "-"),
         ("gpumem_method", ",".join(methods) or "-"),
         ("gpumem_rank", str(record.limits.rank)),
+        *[(f"gpumem_conversion_{i}", line) for i, line in enumerate(record.conversions, 1)],
     ]
     for size in record.sizes:
         key = f"gpumem_nproc{size.nproc}"

@@ -19,6 +19,9 @@ body       the rank's pytest, as the   the launcher: a launch whose rendezvous p
            test body starts            relaunched only while no rank has started its body
 config     the ``gpumem_config`` call  the runner (declared settings, for provenance)
 boxing     the nn.Graph audit          the runner (``boxing.read_records``)
+eager      the eager global audit      the runner (``conversions.read``)
+glog       OneFlow's glog folder, set  the rank's eager audit (its boxing logger's INFO lines)
+           unless the job chose one
 snapshot   torch's allocator           the runner (moved out before the folder goes)
 memray     the allocation tracker      the rank itself (read back at exit, then removed)
 task       the srun shim on a node     the srun launcher (node, pid, exit status)
@@ -33,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
-Kind = Literal["hello", "log", "stack", "exit", "result", "body", "config", "boxing", "snapshot", "memray",
-               "task"]
+Kind = Literal["hello", "log", "stack", "exit", "result", "body", "config", "boxing", "eager", "glog", "snapshot",
+               "memray", "task"]
 
 
 def rank_file(workdir: Path, rank: int, kind: Kind) -> Path:

@@ -218,16 +218,20 @@ def _gpu_report(sampler: "NvmlSampler | None") -> dict[str, Any]:
 def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sampler: "NvmlSampler | None",
                  torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
+    from ..oneflow.conversions import eager_provenance
+    from ..oneflow.eager import write_records
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
     from . import fakegpu, protocol, simulate
 
+    write_records()  # first: it stops the line tracer
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
     if gpu_allocator and fakegpu.active:
         gpu_allocator["fake_gpu"] = fakegpu.describe()
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
-                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing"))}
+                  **rank_provenance(protocol.rank_file(workdir, rank, "boxing")),
+                  **eager_provenance(protocol.rank_file(workdir, rank, "eager"))}
     measured = tracker.startup if this_rank.startup is None else None  # a probe's
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
@@ -321,6 +325,7 @@ def main(argv: list[str]) -> None:
     import runpy
 
     from ..oneflow.boxing import install_graph_hook
+    from ..oneflow.eager import install_eager_hook
     from ..oneflow.rendezvous import install_oneflow_gate
     from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from ..sampling.allocations import AllocationTracker
@@ -341,10 +346,11 @@ def main(argv: list[str]) -> None:
     stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported
-    if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
-        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"))
     sites = not switched_off(SITES_ENV)
     root = Path(os.environ[ROOTDIR_ENV]) if os.environ.get(ROOTDIR_ENV) else None
+    if not switched_off(BOXING_ENV):  # costs nothing until oneflow is imported
+        install_graph_hook(protocol.rank_file(workdir, rank, "boxing"), root)
+        install_eager_hook(protocol.rank_file(workdir, rank, "eager"), root, protocol.rank_file(workdir, rank, "glog"))
     objects = os.environ.get(PYTHON_ALLOCATIONS_ENV, "objects").strip().lower() != "arenas"
     tracker = AllocationTracker(protocol.rank_file(workdir, rank, "memray"), sites=sites, root=root, objects=objects)
     startup = os.environ.get(STARTUP_ENV, "") if mode == "pytest" else ""

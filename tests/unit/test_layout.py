@@ -176,7 +176,7 @@ _FILLERS_BY_CONTRACT = {
     # the fake GPU's mends patch torch and the job's modules, and record into the value policy's collector
     "rankside/fakegpu/dispatch.py:_compile_runs_eagerly", "rankside/fakegpu/dispatch.py:fake_call",
     "rankside/fakegpu/dispatch.py:fakes_replaced", "rankside/gpu_allocator.py:_hold_peaks_across_resets",
-    "oneflow/rendezvous.py:exec_and_wrap",
+    "oneflow/rendezvous.py:exec_and_wrap", "oneflow/eager.py:wrap_to_global",
 }
 _MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "remove", "clear",
              "discard", "popitem", "sort", "reverse"}

@@ -536,3 +536,19 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
     lines = explain_failure(test, verdict, [], {4: entry}, grown).splitlines()
     assert lines[1:3] == ["  peak sites of rank 1 at nproc=4 that grew since its baseline:",
                           "    +400.0 MiB  test_pp.py:22 forward  (new)"]
+
+
+def test_a_failure_says_when_another_rank_than_the_gated_one_peaked_higher():
+    """Rank 0 gated by default while rank 1 held 18.6 MiB more (issue 57): the failure says so and
+    names the argument that gates it; with rank="all" there is nothing to say."""
+    from pytest_gpumem.judging.explain import higher_rank
+
+    s = spec(nproc=[1, 2], max_ratio=1.1, allow_mib=0)
+    results = [SizeResult(1, "cpu", {0: Peak(280.0, "live allocations (memray)")}),
+               SizeResult(2, "cpu", {0: Peak(319.4, "live allocations (memray)"),
+                                     1: Peak(338.0, "live allocations (memray)")})]
+    verdict = judge(s, results)
+    assert not verdict.passed
+    assert higher_rank(verdict, 0) == [
+        '  rank 1 peaked 18.6 MiB above the gated rank 0 at nproc=2 (338.0 MiB): gate it with rank=1 or rank="all"']
+    assert higher_rank(verdict, "all") == []

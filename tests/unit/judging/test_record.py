@@ -66,7 +66,9 @@ def full_record() -> TestRecord:
                       grown_sites=(SiteChange("t.py:7 f (all_gather)", 0.0, 256.0),
                                    SiteChange("m.py:18 forward", 16.0, 48.0, ("t.py:25 train", "t.py:40 main"), 2)),
                       grown_against="nproc=1",
-                      sites_summary="1 site shrank by 2.0 MiB")
+                      sites_summary="1 site shrank by 2.0 MiB",
+                      conversions=("S(0)->B at m.py:25 forward: +64.0 MiB at nproc=2 (none at nproc=1); "
+                                   "to_global of (2048, 16384) float32, x3",))
 
 
 def test_a_record_survives_json_unchanged():
