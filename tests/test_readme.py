@@ -20,7 +20,8 @@ from conftest import processes_tagged
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 README_LIMIT = 8000  # bytes: the two-minute read; the rest is on the docs site
-DOCS_LIMIT = 100_000  # bytes over docs/*.md: pages that say what is true now, the history left to the CHANGELOG
+DOCS_LIMIT = 103_000  # bytes over docs/*.md: pages that say what is true now, the history left to the CHANGELOG
+# (raised from 100_000 with issues 54, 55 and 57: the fake GPU's value policy, the hosted-runner workflow, eager boxing)
 # [text](target) and ![alt](target), outside code spans and fenced blocks
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
