@@ -199,9 +199,7 @@ class ValuePolicy:
         if func in self.empties:  # values undefined, as on the GPU: zeros, so that what is written into
             for fake in outs:      # its views (a collective's output) is known in the whole tensor too
                 if shadows.fits(fake.shape, fake.dtype):
-                    shadows.keep(fake, torch.zeros(tuple(fake.shape), dtype=fake.dtype).as_strided(
-                        tuple(fake.shape), tuple(fake.stride())) if _dense_strides(fake) else
-                        torch.zeros(tuple(fake.shape), dtype=fake.dtype))
+                    shadows.keep(fake, torch.zeros(tuple(fake.shape), dtype=fake.dtype))
             return
         if not outs:  # an op that writes into its arguments and returns nothing (a fused step)
             if any(shadows.of(leaf) is not None for leaf in fakes):
@@ -351,10 +349,6 @@ class ValuePolicy:
             else:
                 indices.append(index)
         return self.run(torch.ops.aten.index.Tensor, (args[0], indices), {})
-
-
-def _dense_strides(fake: Any) -> bool:
-    return bool(fake.is_contiguous())
 
 
 def _op(func: Any) -> str:
