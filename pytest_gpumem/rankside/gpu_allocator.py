@@ -63,9 +63,9 @@ class TorchAllocator:
         """A job may reset the allocator's peaks itself (torchtitan's memory monitor does at every log
         step): it still reads its own peaks as on a GPU, but each peak is held here before it goes, so
         the rank's figure is the peak of the whole body, whatever the job resets."""
-        original = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)  # noqa: SLF001 - what every reset calls
+        original = _reset_call(torch)
         if original is None or getattr(original, "_gpumem_holds", False):
-            return
+            return  # a torch without it (the tests' stand-in at the torch boundary): resets reach the figure
 
         def reset(device: Any) -> Any:
             try:
@@ -98,8 +98,8 @@ class TorchAllocator:
         torch = sys.modules.get("torch")
         if torch is None or not _cuda_ready(torch):
             return
-        reset = torch._C._cuda_resetPeakMemoryStats  # noqa: SLF001
-        reset = getattr(reset, "_gpumem_original", reset)  # the body's start holds nothing before it
+        reset = _reset_call(torch)
+        reset = getattr(reset, "_gpumem_original", reset) or torch.cuda.reset_peak_memory_stats  # holds nothing
         self._held.clear()
         for device in _devices(torch):
             try:
@@ -171,6 +171,12 @@ class TorchAllocator:
                                     f"{allocated_mib:.1f} MiB (its window holds {HISTORY_ENTRIES} events): "
                                     "sites are those of the largest moment it saw")
         return out
+
+
+def _reset_call(torch: ModuleType) -> Any:
+    """What every reset of the allocator's peaks calls (``torch.cuda.reset_peak_memory_stats`` and
+    ``reset_max_memory_allocated``, real or fake GPU), or None where torch has none."""
+    return getattr(getattr(torch, "_C", None), "_cuda_resetPeakMemoryStats", None)
 
 
 def _epoch_times(snapshot: Any) -> bool:
