@@ -26,6 +26,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _hang_up(signum: int, frame: object) -> None:
+    """SIGHUP's default, ended by the signal itself: as a handler, it is reset at exec."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+# Likewise a suite started under nohup gets SIGHUP ignored: the SIGHUP test's pytest would ignore it.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, _hang_up)
+
+
 def processes_tagged(tag: str) -> list[int]:
     """Live processes whose environment carries ``tag``: any survivor of a launch."""
     marker = f"{TAG_ENV}={tag}".encode()
