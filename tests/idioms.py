@@ -25,8 +25,7 @@ from typing import Any, Callable
 
 MiB = 2**20
 IDIOMS: dict[str, Callable[[], Any]] = {}
-# Idioms that read values a fake tensor does not have: what the fake GPU supplied (its policy) is
-# part of their figure's meaning; the matrix lists them.
+# torch, imported by main() after the fake GPU is installed (it must come before torch): the idioms' globals
 torch: Any = None
 nn: Any = None
 F: Any = None

@@ -234,6 +234,23 @@ def _materialise(model, config):
         rotary.original_inv_freq.copy_(inv_freq)
 
 
+def _fsdp2_on_meta(model_type, config):
+    """torchtitan's way: built on meta, each block and the root fully_shard-ed with bf16 parameters and
+    fp32 gradient reduction, then materialised on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = model_type(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    _materialise(model, config)
+    return model
+
+
 def gpt2_ddp():
     """GPT-2 small (124M) with DDP, as the transformers language-modelling example trains it."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -251,22 +268,13 @@ def gpt2_ddp():
 def llama_fsdp2():
     """A Llama decoder trained torchtitan's way: built on meta, each block and the root fully_shard-ed
     with bf16 parameters and fp32 gradient reduction, then materialised on the GPU and initialised."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _start()
     torch.manual_seed(0)
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    _materialise(model, config)
+    model = _fsdp2_on_meta(LlamaForCausalLM, config)
     ids = torch.randint(0, config.vocab_size, (4, 1024), device="cuda")
     kept = _steps(model, {"input_ids": ids, "labels": ids})
     dist.destroy_process_group()
@@ -403,25 +411,16 @@ def mixtral_fsdp2():
     """A Mixtral (8 experts, top-2, 4 layers of 1024, 277M parameters, transformers' grouped_mm experts)
     trained as the llama job is (meta, FSDP2 per block, bf16 parameters, fp32 reduction), with the
     router's auxiliary loss on, clipping and the loss logged."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import MixtralConfig, MixtralForCausalLM
 
     _start()
     torch.manual_seed(0)
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     config = MixtralConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
                            num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                            max_position_embeddings=2048, output_router_logits=True, router_aux_loss_coef=0.02)
     if os.environ.get("FORCE_BALANCED_ROUTING") == "1":
         torch.topk = _balanced_topk(config.num_local_experts)
-    with torch.device("meta"):
-        model = MixtralForCausalLM(config)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    _materialise(model, config)
+    model = _fsdp2_on_meta(MixtralForCausalLM, config)
     ids = torch.randint(0, config.vocab_size, (4, 1024), device="cuda")
     kept = _steps(model, {"input_ids": ids, "labels": ids}, clip=1.0, log=True)
     dist.destroy_process_group()
