@@ -7,8 +7,8 @@ storage an op returns is counted as the caching allocator counts it (``accountin
 
 Mended, each where the fake figure differs from the real GPU's:
 
-- attention (``scaled_dot_product_attention``) picks the kernel the GPU model would (flash,
-  memory-efficient, math), not the CPU build's math path, which holds a full seq x seq matrix;
+- attention (``scaled_dot_product_attention``) picks the kernel the GPU model would (cuDNN,
+  flash, memory-efficient, math), not the CPU build's math path, which holds a full seq x seq matrix;
 - DTensor's sharding propagation runs its ops on global-shape fake tensors in the same fake mode:
   not the job's memory, not counted;
 - DDP's construction reads parameter values (its shape check across ranks) and its reducer
@@ -48,7 +48,15 @@ class FakeGpuError(RuntimeError):
 
 GEMM = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation", "matmul", "dot")
 LT = ("addmm", "_addmm_activation")  # with a 1-D bias: cuBLASLt's epilogue
-SDPA_MATH, SDPA_FLASH, SDPA_EFFICIENT = 0, 1, 2
+# Scratch a CUDA kernel allocates and frees inside itself, beyond the outputs its meta kernel gives:
+# op -> its bytes from the op's arguments. cuDNN attention's backward keeps dQ in float32 and the
+# rows' dO.O sums (an H100 with cuDNN 9.19: ViT-B/16's 18.76 MiB and T5's cross-attention 4.06 MiB
+# to the byte; benchmarks/results/sdpa_choice.txt).
+KERNEL_SCRATCH = {
+    "_scaled_dot_product_cudnn_attention_backward":
+        lambda grad_out, query, *_: query.numel() * 4 + query.numel() // query.shape[-1] * 4,
+}
+SDPA_MATH, SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 0, 1, 2, 3  # torch's SDPBackend
 
 
 class _Paused(threading.local):
@@ -78,6 +86,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     operands_last = {aten.addmm, aten.baddbmm, aten.addbmm, aten._addmm_activation}  # (bias, a, b)
     resizes = {aten.resize_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset,
                aten.set_.source_Tensor}
+    scratch = {getattr(aten, name): rule for name, rule in KERNEL_SCRATCH.items() if hasattr(aten, name)}
 
     def cuda_index(tensor: Any) -> int | None:
         device = getattr(tensor, "fake_device", None) or tensor.device
@@ -121,6 +130,10 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
             if func in resizes and args:
                 count(args[0])
             packet = getattr(func, "overloadpacket", None)  # a higher-order operator has none
+            if packet in scratch:
+                index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
+                if index is not None:
+                    allocator.transient(index, scratch[packet](*args))
             if packet in gemm:
                 index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
                 if index is not None:
@@ -542,32 +555,60 @@ def _foreach_for_fakes(module: ModuleType, fake_type: type) -> None:
 
 
 def _sdp_choice(torch: ModuleType, model: GpuModel, query: Any, key: Any, value: Any, attn_mask: Any,
-                enable_gqa: bool) -> int:
-    """The attention kernel torch's CUDA build picks on the model (``sdp_utils.cpp``, in its order:
-    flash, then memory-efficient, then math), as far as shapes, dtypes and the switches decide it."""
+                dropout: float, is_causal: bool, enable_gqa: bool) -> int:
+    """The attention kernel torch's CUDA build picks on the model (``sdp_utils.cpp`` of torch 2.11,
+    checked against an H100's choices: benchmarks/results/sdpa_choice_gpu.json): on sm90 and sm10x
+    cuDNN's first (torch >= 2.9 with cuDNN >= 9.15), then flash, then memory-efficient, then math,
+    each as far as shapes, strides, dtypes and the switches decide it.
+    A mask whose last dimension is strided (T5's position bias, a permuted view) sends every call to
+    the math path, which keeps the seq x seq weights."""
     backends = torch.backends.cuda
-    head = query.shape[-1]
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    dims = key.shape[-1] == head and value.shape[-1] == head
-    same = dims and key.shape[-3] == query.shape[-3]
-    # grouped-query attention (enable_gqa, fewer key/value heads): flash takes it (the Llama job's H200
-    # snapshot holds flash's output and logsumexp only); memory-efficient is not given it here (math)
-    grouped = (enable_gqa and dims and key.shape[-3] == value.shape[-3] and key.shape[-3] > 0
-               and query.shape[-3] % key.shape[-3] == 0)
-    if query.dim() != 4 or query.is_nested or (enable_gqa and not (same or grouped)):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
         return SDPA_MATH
-    if (backends.flash_sdp_enabled() and half and attn_mask is None and model.major >= 8 and (same or grouped)
-            and head <= 256 and head % 8 == 0):
-        return SDPA_FLASH
-    if backends.mem_efficient_sdp_enabled() and same and head % (8 if half else 4) == 0 and model.major >= 5:
-        return SDPA_EFFICIENT
-    return SDPA_MATH
+    batch, heads, s_q, d_qk = query.shape
+    s_k, d_v = key.shape[-2], value.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    same_dtype = query.dtype == key.dtype == value.dtype
+    sm = (model.major, model.minor)
+    grouped = (enable_gqa and key.shape[-3] == value.shape[-3] and key.shape[-3] > 0
+               and heads % key.shape[-3] == 0)
+    batches = key.shape[0] == batch and value.shape[0] == batch and s_q > 0 and s_k > 0
+    shared = batches and (grouped or key.shape[-3] == heads == value.shape[-3])
+    unit_mask = attn_mask is None or attn_mask.stride(-1) == 1  # every fused kernel's condition on a GPU
+    unit = all(t.stride(-1) == 1 for t in (query, key, value))
+
+    def cudnn() -> bool:
+        deterministic = torch.are_deterministic_algorithms_enabled() and \
+            not torch.is_deterministic_algorithms_warn_only_enabled()
+        limit = 256 if sm[0] in (9, 10) else 128
+        return (backends.cudnn_sdp_enabled() and not deterministic and half and same_dtype
+                and (8, 0) <= sm <= (12, 1) and shared and unit_mask and (unit or d_qk == 1)
+                and max(batch, heads) <= 65535 and d_qk <= limit and d_v <= limit and d_qk % 8 == 0
+                and d_v % 8 == 0 and s_k != 1 and not (dropout and s_q == 1))
+
+    def flash() -> bool:  # a head size off a multiple of 8 is padded to one (scaled_dot_product_attention)
+        return (backends.flash_sdp_enabled() and attn_mask is None and half and same_dtype
+                and (8, 0) <= sm <= (12, 1) and d_qk == key.shape[-1] == d_v and d_qk <= 256
+                and not (is_causal and s_q != s_k) and shared and (unit or d_qk == 1))
+
+    def efficient() -> bool:
+        align = 8 if half else 4  # the GEMM alignment on sm80+, in elements
+        return (backends.mem_efficient_sdp_enabled() and (5, 0) <= sm <= (12, 1) and same_dtype
+                and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and d_qk == key.shape[-1] and d_qk % align == 0 and d_v % align == 0
+                and all(t.storage_offset() % align == 0 for t in (query, key, value))
+                and batches and key.shape[-3] == heads == value.shape[-3] and unit and unit_mask)
+
+    order = (SDPA_CUDNN, SDPA_FLASH, SDPA_EFFICIENT) if sm[0] in (9, 10) else (SDPA_FLASH, SDPA_EFFICIENT)
+    usable = {SDPA_CUDNN: cudnn, SDPA_FLASH: flash, SDPA_EFFICIENT: efficient}
+    return next((kernel for kernel in order if usable[kernel]()), SDPA_MATH)
 
 
 def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
     """``scaled_dot_product_attention`` picks its kernel in C++ for the device, and the CPU build
     has no CUDA choice: it would take the math path, which holds the seq x seq weights. On fake CUDA
-    tensors the kernel the model would run is called instead (its meta kernel gives its outputs)."""
+    tensors the kernel the model would run is called instead (its meta kernel gives its outputs), on
+    the arguments as autocast hands them over (it is on autocast's lower-precision list)."""
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
     aten = torch.ops.aten
@@ -575,25 +616,38 @@ def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
     def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
                                      dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
                                      enable_gqa: bool = False) -> Any:
-        if not (isinstance(query, fake_type) and query.device.type == "cuda"):
+        as_given = (query, key, value, attn_mask)
+        if isinstance(query, fake_type) and query.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+            query, key, value, attn_mask = (t.to(dtype) if t is not None and t.is_floating_point() else t
+                                            for t in as_given)
+        choice = (_sdp_choice(torch, model, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+                  if isinstance(query, fake_type) and query.device.type == "cuda" else SDPA_MATH)
+        if choice == SDPA_MATH:
+            query, key, value, attn_mask = as_given
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
-        choice = _sdp_choice(torch, model, query, key, value, attn_mask, enable_gqa)
         if choice == SDPA_FLASH:
-            return aten._scaled_dot_product_flash_attention(  # noqa: SLF001
+            head = query.shape[-1]
+            pad = -head % 8  # padded to a multiple of 8, the output cut back
+            if pad:
+                scale = head ** -0.5 if scale is None else scale
+                query, key, value = (functional.pad(t, (0, pad)) for t in (query, key, value))
+            out = aten._scaled_dot_product_flash_attention(  # noqa: SLF001
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if choice == SDPA_EFFICIENT:
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:
-                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                    bias.logical_not(), float("-inf"))
-            if bias is not None:
-                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            return aten._scaled_dot_product_efficient_attention(  # noqa: SLF001
-                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+            return out[..., :head] if pad else out
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                bias.logical_not(), float("-inf"))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if choice == SDPA_CUDNN:
+            return aten._scaled_dot_product_cudnn_attention(  # noqa: SLF001
+                query, key, value, bias, grad, dropout_p, is_causal, False, scale=scale)[0]
+        if bias is not None:
+            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        return aten._scaled_dot_product_efficient_attention(  # noqa: SLF001
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
 
     functional.scaled_dot_product_attention = scaled_dot_product_attention
 

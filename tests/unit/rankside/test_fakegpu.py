@@ -5,9 +5,11 @@ does not, and the shim's build inputs. Whole fake-GPU launches are tests/test_fa
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,32 +168,27 @@ def test_cublas_copies_an_operand_it_cannot_read_in_place():
     assert _cublas_copies(matrix[::2, ::2])
 
 
-@pytest.mark.parametrize(("dtype", "mask", "head", "choice"), [
-    (torch.bfloat16, False, 128, 1),  # flash
-    (torch.float16, True, 128, 2),  # a mask: memory-efficient
-    (torch.float32, False, 128, 2),  # fp32: memory-efficient
-    (torch.float32, False, 130, 0),  # a head size neither takes: math
-])
-def test_attention_takes_the_kernel_the_cuda_build_would(dtype, mask, head, choice):
+def _sdpa_grid() -> tuple[Any, dict[str, str]]:
+    """The grid of attention calls (benchmarks/gpu/sdpa_choice.py) and the kernel an H100 with torch
+    2.11 chose for each (benchmarks/results/sdpa_choice_gpu.json)."""
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("sdpa_choice", root / "benchmarks" / "gpu" / "sdpa_choice.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    chosen = json.loads((root / "benchmarks" / "results" / "sdpa_choice_gpu.json").read_text())["grid"]
+    return module, chosen
+
+
+SDPA_GRID, SDPA_CHOSEN = _sdpa_grid()
+
+
+@pytest.mark.parametrize("case", sorted(SDPA_CHOSEN))
+def test_attention_takes_the_kernel_the_gpu_took(case: str):
     from pytest_gpumem.rankside.fakegpu.dispatch import _sdp_choice
 
-    q = torch.empty(2, 4, 16, head, dtype=dtype)
-    attn_mask = torch.zeros(16, 16, dtype=dtype) if mask else None
-    assert _sdp_choice(torch, models.model("NVIDIA H200"), q, q, q, attn_mask, False) == choice
-
-
-@pytest.mark.parametrize(("kv_heads", "mask", "choice"), [
-    (4, False, 1),  # grouped-query attention (16 query heads, 4 key/value): flash, as the Llama job on the H200
-    (4, True, 0),  # with a mask flash is out, and memory-efficient takes no grouped heads: math
-    (3, False, 0),  # 16 query heads do not group over 3
-])
-def test_grouped_query_attention_takes_flash_where_the_gpu_did(kv_heads, mask, choice):
-    from pytest_gpumem.rankside.fakegpu.dispatch import _sdp_choice
-
-    q = torch.empty(2, 16, 64, 128, dtype=torch.bfloat16)
-    kv = torch.empty(2, kv_heads, 64, 128, dtype=torch.bfloat16)
-    attn_mask = torch.zeros(64, 64, dtype=torch.bfloat16) if mask else None
-    assert _sdp_choice(torch, models.model("NVIDIA H200"), q, kv, kv, attn_mask, True) == choice
+    query, key, value, mask, dropout, causal, gqa = SDPA_GRID.grid("cpu")[case]
+    choice = _sdp_choice(torch, models.model("NVIDIA H200"), query, key, value, mask, dropout, causal, gqa)
+    assert SDPA_GRID.BACKENDS[choice] == SDPA_CHOSEN[case]
 
 
 # ------------------------------------------------------------------------------------ the shim
