@@ -242,14 +242,19 @@ class ParentSide:
         return self._session
 
     def _watch(self, live: bool) -> Watch:
-        """-v: a line as each launch starts and ends; -s: rank 0's output as it is written."""
-        from .launching.watch import Watch
+        """-v: a line as each launch starts and ends; else, on a terminal, the size running now on
+        the test's line; -s: rank 0's output as it is written."""
+        from .launching.watch import RunningLine, Watch
 
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is None or self.is_worker:  # an xdist worker's terminal is not the user's
             return Watch()
         verbose = self.config.get_verbosity() >= 1
-        return Watch(progress=terminal.write_line if verbose else None, echo=terminal.write_line if live else None)
+        running = None
+        if not verbose and not live and terminal.isatty():
+            running = RunningLine(functools.partial(terminal.write, flush=True))
+        return Watch(progress=terminal.write_line if verbose else None, running=running,
+                     echo=terminal.write_line if live else None)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,

@@ -114,8 +114,11 @@ class Launches:
         launch (no ``label``) rank 0's output followed while it runs (``Watch.echo``)."""
         said = f"gpumem: {test_id}{f' {label}' if label else ''} {what(world, simulated, plan.fake_gpu)}"
         progress, echo = self.watch.progress, None if label else self.watch.echo
+        running = self.watch.running
         if progress is not None:
             progress(f"{said}: launching")
+        elif running is not None:
+            running(f"gpumem {label + ' ' if label else ''}{what(world, simulated, plan.fake_gpu)}")
         started = time.perf_counter()
         if echo is None:
             run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
@@ -123,6 +126,8 @@ class Launches:
             rank = simulated[0] if simulated else 0
             with Follower(protocol.rank_file(workdir, 0, "log"), echo, f"[rank {rank}] "):
                 run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+        if running is not None:
+            running("")
         if progress is not None:
             failed = run.problems or any(o.outcome == "failed" for o in run.outcomes.values())
             how = "ended" if startup == "probe" else "failed" if failed else "done"  # a probe ends at its setup

@@ -1,5 +1,5 @@
-"""What a user sees while a test's sizes run: a line as each launch starts and ends (``-v``), and
-rank 0's own output as it is written (``-s``).
+"""What a user sees while a test's sizes run: a line as each launch starts and ends (``-v``), a
+running line on a terminal otherwise, and rank 0's own output as it is written (``-s``).
 
 Plain Python: ``plugin.py`` hands in where the lines go (pytest's terminal); a session without them
 pays nothing.
@@ -18,10 +18,26 @@ FOLLOW_INTERVAL_S = 0.2  # how often rank 0's output is read while it runs
 
 @dataclass(frozen=True)
 class Watch:
-    """Where the lines go: ``progress`` a line per launch, ``echo`` rank 0's output (None: not shown)."""
+    """Where the lines go: ``progress`` a line per launch, ``running`` the size running now on the
+    line being written (an empty text: none), ``echo`` rank 0's output (None: not shown)."""
 
     progress: Say | None = None
+    running: Say | None = None
     echo: Say | None = None
+
+
+class RunningLine:
+    """The size running now, written after what the terminal's line already holds (pytest's dots)
+    and erased in place when it ends, as pytest-xdist shows its workers while they start."""
+
+    def __init__(self, write: Say) -> None:
+        self.write = write
+        self._shown = 0
+
+    def __call__(self, text: str) -> None:
+        shown, self._shown = self._shown, len(text) + 3 if text else 0
+        erase = "\b" * shown + " " * shown + "\b" * shown
+        self.write(erase + (f" [{text}]" if text else ""))
 
 
 def what(world: int, simulated: tuple[int, ...], fake_gpu: str | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pytest_gpumem.launching.watch import Follower, what
+from pytest_gpumem.launching.watch import Follower, RunningLine, what
 
 
 def test_a_size_says_whether_it_is_simulated_or_on_a_fake_gpu():
@@ -33,3 +33,20 @@ def test_the_follower_reads_while_the_launch_runs_and_stops_with_it(tmp_path: Pa
     with Follower(log, said.append, ""):
         pass
     assert said == ["started"]
+
+
+def test_the_running_line_shows_the_size_running_and_erases_it_in_place():
+    written: list[str] = []
+    line = RunningLine(written.append)
+    line("gpumem nproc=8 (simulated: rank 0)")
+    line("")
+    screen, cursor = [], 0
+    for text in written:  # what a terminal shows: a backspace moves the cursor back, a character overwrites
+        for char in text:
+            if char == "\b":
+                cursor -= 1
+                continue
+            screen[cursor:cursor + 1] = [char]
+            cursor += 1
+    assert written[0] == " [gpumem nproc=8 (simulated: rank 0)]"
+    assert "".join(screen).strip() == "" and cursor == 0  # blanked where it stood, the cursor back there
