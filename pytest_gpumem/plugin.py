@@ -249,11 +249,23 @@ class ParentSide:
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is None or self.is_worker:  # an xdist worker's terminal is not the user's
             return Watch()
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+
+        def uncaptured(write: Callable[[str], None]) -> Callable[[str], None]:
+            """Written past pytest's capture of the test's output, as its live logging is."""
+            def say(text: str) -> None:
+                if capture is None:
+                    write(text)
+                    return
+                with capture.global_and_fixture_disabled():
+                    write(text)
+            return say
+
         verbose = self.config.get_verbosity() >= 1
         running = None
         if not verbose and not live and terminal.isatty():
-            running = RunningLine(functools.partial(terminal.write, flush=True))
-        return Watch(progress=terminal.write_line if verbose else None, running=running,
+            running = uncaptured(RunningLine(functools.partial(terminal.write, flush=True)))
+        return Watch(progress=uncaptured(terminal.write_line) if verbose else None, running=running,
                      echo=terminal.write_line if live else None)
 
     @pytest.hookimpl(trylast=True)

@@ -351,6 +351,11 @@ def test_prints():
     result.stdout.fnmatch_lines(["rank 1 of 2 failed: AssertionError: rank 1 lost its shard*",
                                  "--- the rank's own output (all of it) ---", "rank 1 step 0", "rank 1 step 1",
                                  "rank 1 step 2"])
+    pytester.makepyfile(test_passes="import pytest\n\n@pytest.mark.gpumem(nproc=1)\ndef test_passes():\n    pass\n")
+    # a subprocess: pytest's fd capture of the test's output is on, as at a terminal
+    verbose = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", "-v", "test_passes.py")
+    verbose.stdout.fnmatch_lines(["gpumem: *::test_passes nproc=1: launching",
+                                  "gpumem: *::test_passes nproc=1: done in * s"])
     quiet = pytester.runpytest("--gpumem", "-p", "no:cacheprovider")
     assert "launching" not in quiet.stdout.str() and "[rank 0]" not in quiet.stdout.str()
 
