@@ -121,6 +121,8 @@ def main() -> int:
                         help="gpumem calibrate's probe first: printed, or written to --calibration")
     parser.add_argument("--calibration", metavar="FILE",
                         help="a gpumem-calibration.json: --calibrate writes this GPU's there, --fake reads its model")
+    parser.add_argument("--blocking-wait", choices=("0", "1"), default="1",
+                        help="TORCH_NCCL_BLOCKING_WAIT of a real run: 1 the plugin's default, 0 the job as run")
     parser.add_argument("--one", nargs=2, metavar=("JOB", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.real and args.fake:
@@ -146,7 +148,8 @@ def main() -> int:
             command += ["--calibration", str(Path(args.calibration).resolve())] if args.calibration else []
             with tempfile.TemporaryDirectory() as tmp:
                 done = subprocess.run(command, capture_output=True, text=True, cwd=tmp,
-                                      env={**os.environ, **_frameworks(), "TORCH_NCCL_BLOCKING_WAIT": "1", **env,
+                                      env={**os.environ, **_frameworks(),
+                                           "TORCH_NCCL_BLOCKING_WAIT": args.blocking_wait, **env,
                                            **(jobs.HUB_REAL_ENV.get(job, {}) if args.real else {})}, timeout=600)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:

@@ -35,14 +35,11 @@ APART: dict[str, str] = {
     "conv1d": "cuDNN's convolution workspace", "conv3d": "cuDNN's convolution workspace",
     "lstm": "cuDNN's fused RNN on the GPU, the per-step cell here", "gru": "the same", "rnn_tanh": "the same",
     "unique_and_sort": "the CUDA sort's scratch",
-    "sdpa_with_mask_fp32": "efficient attention's fp32 backward buffers",
-    "transformer_encoder_layer": "efficient attention's fp32 backward buffers",
+    "sdpa_with_mask_fp32": "memory-efficient attention's fp32 backward buffers",
     "flex_attention": "compiled kernels on the GPU",
-    "checkpoint_reentrant": "recomputation holds more on the GPU (not identified)",
-    "checkpoint_non_reentrant": "recomputation holds more on the GPU (not identified)",
     "lbfgs": "its line search on loss values, supplied as 0", "boolean_mask_select": "a mask taken as all True",
     "embedding_bag": "a kernel's scratch", "sync_batch_norm_ddp": "a kernel's scratch",
-    "ema_copy": "a temporary (not identified)", "moe_topk_router": "a kernel's scratch",
+    "ema_copy": "a temporary (not identified)",
 }
 on_fake = pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU here: the fake GPU is for machines without")
 

@@ -169,6 +169,8 @@ def grid(device: str) -> dict[str, tuple[Any, ...]]:
         "bf16_mask_broadcast": (q, q, q, t(1, 8, 128, 128), 0.0, False, False),
         "bf16_mask_strided": (q, q, q, t(1, 128, 128, 8).permute(0, 3, 1, 2), 0.0, False, False),
         "bf16_mask_fp32": (q, q, q, t(128, 128, dtype=f32), 0.0, False, False),
+        "bf16_mask_requires_grad": (q, q, q, t(128, 128).requires_grad_(), 0.0, False, False),  # Swin's bias
+        "bf16_mask_requires_grad_no_grad": (q, q, q, t(128, 128).requires_grad_(), 0.0, False, False),
         "fp32_mask_strided": (t(2, 8, 128, 64, dtype=f32),) * 3 + (t(1, 128, 128, 8, dtype=f32).permute(0, 3, 1, 2),
                                                                    0.0, False, False),
         "packed_qkv": (packed[0], packed[1], packed[2], None, 0.0, False, False),
@@ -202,16 +204,20 @@ def grid(device: str) -> dict[str, tuple[Any, ...]]:
 
 
 def fake(gpu_json: str) -> None:
-    """The GPU's calls measured on the fake GPU (its own choice), beside the GPU's figures."""
+    """The GPU's calls measured on the fake GPU, its own choice and a fused kernel forced, beside the GPU's."""
     found = json.loads(open(gpu_json).read())
     # cuBLAS's workspace, held from the first product on (the GPU's calls came after the models' steps)
     torch.ones(8, 8, device="cuda").matmul(torch.ones(8, 8, device="cuda"))
     for name, calls in found["models"].items():
         for call in calls:
             print(name, call["query"]["shape"], "mask", call["mask"] and call["mask"]["stride"], "->", call["choice"])
-            with torch.autocast("cuda", enabled=False):
-                mine = _measure(call, None)
-            print(f"    gpu  {call['memory']['chosen']}\n    fake {mine}")
+            for kernel in ("chosen", "cudnn", "efficient"):  # the fused kernels whose scratch the fake GPU models
+                gpu = call["memory"][kernel]
+                if "error" in gpu or (kernel != "chosen" and kernel == call["choice"]):
+                    continue
+                with torch.autocast("cuda", enabled=False):
+                    mine = _measure(call, None if kernel == "chosen" else kernel)
+                print(f"    {kernel:9} gpu  {gpu}\n    {'':9} fake {mine}")
 
 
 def main() -> None:
@@ -225,8 +231,11 @@ def main() -> None:
     found: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
                              "cudnn": torch.backends.cudnn.version(), "device": torch.cuda.get_device_name(),
                              "capability": list(torch.cuda.get_device_capability()), "models": {}}
-    found["grid"] = {name: BACKENDS[int(torch._fused_sdp_choice(q, k, v, mask, dropout, causal, enable_gqa=gqa))]
-                     for name, (q, k, v, mask, dropout, causal, gqa) in grid("cuda").items()}
+    found["grid"] = {}
+    for name, (q, k, v, mask, dropout, causal, gqa) in grid("cuda").items():
+        with torch.set_grad_enabled(not name.endswith("_no_grad")):
+            found["grid"][name] = BACKENDS[int(torch._fused_sdp_choice(q, k, v, mask, dropout, causal,
+                                                                        enable_gqa=gqa))]
     print("grid:", found["grid"])
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _recording(original)

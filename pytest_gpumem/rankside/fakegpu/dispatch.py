@@ -35,6 +35,7 @@ from ..imports import after_import
 from . import cuda_api
 from .accounting import FakeAllocator
 from .models import GpuModel
+from .scratch import KERNEL_SCRATCH
 from .values import ValuePolicy
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
@@ -48,14 +49,6 @@ class FakeGpuError(RuntimeError):
 
 GEMM = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation", "matmul", "dot")
 LT = ("addmm", "_addmm_activation")  # with a 1-D bias: cuBLASLt's epilogue
-# Scratch a CUDA kernel allocates and frees inside itself, beyond the outputs its meta kernel gives:
-# op -> its bytes from the op's arguments. cuDNN attention's backward keeps dQ in float32 and the
-# rows' dO.O sums (an H100 with cuDNN 9.19: ViT-B/16's 18.76 MiB and T5's cross-attention 4.06 MiB
-# to the byte; benchmarks/results/sdpa_choice.txt).
-KERNEL_SCRATCH = {
-    "_scaled_dot_product_cudnn_attention_backward":
-        lambda grad_out, query, *_: query.numel() * 4 + query.numel() // query.shape[-1] * 4,
-}
 SDPA_MATH, SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 0, 1, 2, 3  # torch's SDPBackend
 
 
@@ -133,7 +126,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
             if packet in scratch:
                 index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
                 if index is not None:
-                    allocator.transient(index, scratch[packet](*args))
+                    allocator.transient(index, scratch[packet](model, args, kwargs))
             if packet in gemm:
                 index = next((cuda_index(a) for a in tree_leaves(args) if isinstance(a, FakeTensor)), None)
                 if index is not None:
@@ -581,7 +574,8 @@ def _sdp_choice(torch: ModuleType, model: GpuModel, query: Any, key: Any, value:
         deterministic = torch.are_deterministic_algorithms_enabled() and \
             not torch.is_deterministic_algorithms_warn_only_enabled()
         limit = 256 if sm[0] in (9, 10) else 128
-        return (backends.cudnn_sdp_enabled() and not deterministic and half and same_dtype
+        trained_mask = attn_mask is not None and attn_mask.requires_grad  # Swin's bias: cuDNN has no gradient for it
+        return (backends.cudnn_sdp_enabled() and not deterministic and half and same_dtype and not trained_mask
                 and (8, 0) <= sm <= (12, 1) and shared and unit_mask and (unit or d_qk == 1)
                 and max(batch, heads) <= 65535 and d_qk <= limit and d_v <= limit and d_qk % 8 == 0
                 and d_v % 8 == 0 and s_k != 1 and not (dropout and s_q == 1))
@@ -645,6 +639,10 @@ def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
             return aten._scaled_dot_product_cudnn_attention(  # noqa: SLF001
                 query, key, value, bias, grad, dropout_p, is_causal, False, scale=scale)[0]
         if bias is not None:
+            if bias.stride(-1) != 1 or any(stride % 8 for stride in bias.stride()[:-1]):
+                # padded to a multiple of 8 and viewed back (sdpa's pad_bias): the copy is what backward keeps
+                columns = bias.shape[-1]
+                bias = functional.pad(bias, (0, 8 - columns % 8))[..., :columns]
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return aten._scaled_dot_product_efficient_attention(  # noqa: SLF001
             query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]

@@ -191,6 +191,34 @@ def test_attention_takes_the_kernel_the_gpu_took(case: str):
     assert SDPA_GRID.BACKENDS[choice] == SDPA_CHOSEN[case]
 
 
+@pytest.mark.parametrize(("shape", "dims", "mib"), [
+    ((1024, 2048), [0], 16.0),  # the MoE's bias gradient: the H100's 16 MiB staging block (fake_gpu_peak_stacks.txt)
+    ((1024, 512), [0], 4.0),
+    ((1024, 2048), [1], 0.0),  # along the innermost dimension: a value per output and block, not counted
+    ((1024, 2048), None, 0.0),  # to one value: the same
+    ((8, 2048), [0], 0.0),  # few inputs a thread: no split across blocks
+])
+def test_a_reduction_that_splits_its_inputs_across_blocks_stages_them_as_the_gpu_does(shape, dims, mib):
+    from pytest_gpumem.rankside.fakegpu.scratch import KERNEL_SCRATCH
+
+    h100 = models.GpuModel(name="H100", major=9, minor=0, total_memory=80 << 30, multi_processor_count=132,
+                           cublas_workspace=32 * MiB, cublaslt_workspace=MiB)
+    staged = KERNEL_SCRATCH["sum"](h100, (torch.empty(shape), dims), {})
+    assert staged // MiB == mib and staged % MiB < 4096  # and the semaphores: 4 bytes a block of outputs
+
+
+@pytest.mark.parametrize(("kernel", "mib"), [("cudnn", 18.76), ("efficient", 24.29)])
+def test_attention_backward_keeps_dq_in_float32_as_the_h100_did(kernel: str, mib: float):
+    """ViT-B/16's call: 18.76 and 24.31 MiB above its gradients on the H100 (sdpa_choice.txt)."""
+    from pytest_gpumem.rankside.fakegpu.scratch import KERNEL_SCRATCH
+
+    query = torch.empty(32, 12, 197, 64, dtype=torch.bfloat16)
+    rule = KERNEL_SCRATCH[f"_scaled_dot_product_{kernel}_attention_backward"]
+    assert round(rule(models.model("NVIDIA H200"), (query, query), {}) / MiB, 2) == mib
+    assert KERNEL_SCRATCH["_scaled_dot_product_efficient_attention_backward"](
+        models.model("NVIDIA H200"), (query.float(), query.float()), {}) == 0  # float32's: not modelled
+
+
 # ------------------------------------------------------------------------------------ the shim
 
 
