@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -359,19 +359,9 @@ class Settings:
     fake_gpu_model: str = "NVIDIA H200"
 
     def defaults(self, launchers: tuple[str, ...] = LAUNCHERS) -> Defaults:
-        """What a marker leaves out; ``launchers``: the names registered in this session."""
-        return Defaults(
-            launchers=launchers,
-            launcher=self.launcher,
-            timeout=self.timeout,
-            max_ratio=self.max_ratio,
-            allow_mib=self.allow_mib,
-            tolerance=self.tolerance,
-            device=self.device,
-            allocated_tolerance=self.allocated_tolerance,
-            simulate=self.simulate,
-            fake_gpu=self.fake_gpu,
-        )
+        """What a marker leaves out: the settings of the same names; ``launchers``: those registered."""
+        return Defaults(launchers=launchers, **{f.name: getattr(self, f.name) for f in fields(Defaults)
+                                                if f.name != "launchers"})
 
     def make_output_folders(self) -> None:
         """Create where the outputs go, so that a bad path is known before any launch."""
