@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import pytest
 
 from .config import settings as settings_mod
+from .config.env_names import WORKDIR_ENV
 from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
-from .rankside.rank import WORKDIR_ENV, declare_config
+from .rankside.rank import declare_config
 
 if TYPE_CHECKING:
     from .gate import Outcome

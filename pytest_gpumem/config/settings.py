@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV, PYTHON_ALLOCATIONS_ENV, SITES_ENV, TRACK_ENV
+from .env_names import BOXING_ENV, FAST_EXIT_ENV, PYTHON_ALLOCATIONS_ENV, SITES_ENV, TRACK_ENV
 from .spec import (
     DEFAULT_ALLOCATED_TOLERANCE,
     DEFAULT_TOLERANCE,

@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..config.env_names import STARTUP_ENV
 from ..config.spec import Spec
 from ..measurement.size import SizeResult
 from ..rankside import protocol
-from ..rankside.rank import STARTUP_ENV
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
