@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..config.env_names import LAUNCH_ID_ENV, SLOT_ENV, WORKDIR_ENV
 from ..rankside import protocol
-from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
+from ..rankside.rank import STARTUP_CWD
 from ..rankside.simulate import SIMULATE_ENV
 from . import forking
 from .leases import LeaseError

@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..config.env_names import STARTUP_ENV
 from ..config.spec import Spec
 from ..measurement.size import SizeResult
 from ..rankside import protocol
-from ..rankside.rank import STARTUP_ENV
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
@@ -139,7 +139,8 @@ class Launches:
         nproc = len(simulated) or world  # processes
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
-        remote = launcher(spec.launcher).remote
+        chosen = launcher(spec.launcher)
+        remote = chosen.remote
 
         def on_rank(rank: int, pid: int) -> None:
             if remote:  # the PID is on the rank's own host: its exit report counts
@@ -168,7 +169,7 @@ class Launches:
         for sampler in samplers:
             sampler.start()
         try:
-            launch = launcher(spec.launcher).start(request, on_rank, self.launcher_options).run()
+            launch = chosen.start(request, on_rank, self.launcher_options).run()
         finally:
             for sampler in samplers:
                 sampler.stop()

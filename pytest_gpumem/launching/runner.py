@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..config.env_names import TRACK_ENV
 from ..config.spec import Spec
 from ..measurement.size import SizeResult
-from ..rankside.rank import TRACK_ENV
 from .floor_cache import FloorCache
 from .floors import Floors
 from .gpus import GpuPlan, GpuPlanner

@@ -25,10 +25,7 @@ LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "measurement",
 TOP = {"plugin", "hookspecs", "session", "gate", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
-ALLOWED_UP = {
-    # the one option table names the rank side's environment switches (their names: strings)
-    ("config", "rankside"),
-}
+ALLOWED_UP: set[tuple[str, str]] = set()
 
 
 def _imports(path: Path) -> set[str]:
