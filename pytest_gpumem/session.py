@@ -19,7 +19,7 @@ from .config.settings import Settings
 
 if TYPE_CHECKING:
     from .config.spec import Spec
-    from .gate import Gate, Outcome
+    from .judging.gate import Gate, Outcome
     from .launching.runner import Runner
     from .launching.scaling import Capacity
     from .launching.watch import Watch
@@ -65,8 +65,8 @@ class Session:
                       watch: Watch | None = None) -> Session:
         """Everything a launch needs, from ``settings`` alone (and what only the caller knows: the
         rank's pytest, where the launches' progress and rank 0's output go)."""
-        from .gate import Gate
         from .judging.baseline import BaselineStore
+        from .judging.gate import Gate
 
         runner = _runner(settings, rootdir, cwd, rank_pytest_args, start_refusal, watch)
         return cls(settings=settings, runner=runner, gate=Gate(settings, BaselineStore(settings.baselines)))

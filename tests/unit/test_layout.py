@@ -5,12 +5,12 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     sampling      measurement: memray in the rank, RSS and NVML from the parent, host identity
     oneflow       OneFlow-only code (boxing audit, rendezvous)
     rankside      what runs inside a rank, and the files it exchanges with its parent
-    judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
+    judging       one test's run -> its outcome (the gate): verdicts, baselines, the typed record
     presentation  renderers of the record
-    top level     plugin (pytest glue), session (the machinery, built once from the settings), gate
-                  (one test's outcome), cli, measure and bisect (commands;
-                  bisect is a package: its search, its commits, its worktree steps, the command)
+    top level     plugin (pytest glue), session (the machinery, built once from the settings), cli,
+                  measure and bisect (commands; bisect is a package: its search, its commits, its
+                  worktree steps, the command)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
 LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "measurement", "launching", "judging", "presentation"]
-TOP = {"plugin", "hookspecs", "session", "gate", "cli", "measure", "bisect", "calibrate"}
+TOP = {"plugin", "hookspecs", "session", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
 ALLOWED_UP = {
@@ -119,7 +119,7 @@ def test_nothing_below_the_top_level_imports_it():
         assert not top, f"{path.relative_to(PACKAGE)} imports the top-level module(s) {sorted(top)}"
 
 
-def test_the_top_level_holds_only_the_entry_points_and_the_gate():
+def test_the_top_level_holds_only_the_entry_points():
     assert {p.stem for p in PACKAGE.glob("*.py")} | COMMAND_PACKAGES == TOP | {"__init__"}
 
 

@@ -382,8 +382,8 @@ def test_the_gated_rank_is_the_configured_one_or_the_largest_measured():
 
 def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_moving_elsewhere(tmp_path: Path):
     from pytest_gpumem.config.settings import resolve
-    from pytest_gpumem.gate import Gate
     from pytest_gpumem.judging.baseline import BaselineStore, Entry
+    from pytest_gpumem.judging.gate import Gate
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
 
@@ -427,7 +427,8 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
     """rank="all" with reference=4 (Megatron TP=2 x PP=2): the relaunch records each size's largest
     rank, rank 1 at 4 and rank 3 at 8; the growth is taken between those two, not against rank 0 at
     4 (which has no sites), and the failure names both."""
-    from pytest_gpumem.gate import explain_failure, grown_sites
+    from pytest_gpumem.judging.explain import explain_failure
+    from pytest_gpumem.judging.growth import grown_sites
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
     from pytest_gpumem.sampling.sites import Site
@@ -508,9 +509,9 @@ def test_a_fixed_gated_rank_is_not_held_to_the_other_ranks_figures():
 def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stored_sites():
     """Pipeline stages keeping every microbatch's output: rank 1 grew most, so its sites are compared with
     rank 1's stored sites (not the largest rank's), and the failure leads with its line."""
-    from pytest_gpumem.gate import explain_failure, grown_sites
     from pytest_gpumem.judging.baseline import Entry
-    from pytest_gpumem.judging.growth import stored_sites
+    from pytest_gpumem.judging.explain import explain_failure
+    from pytest_gpumem.judging.growth import grown_sites, stored_sites
     from pytest_gpumem.launching.runs import TestRun
     from pytest_gpumem.sampling.sites import Site
 
