@@ -76,7 +76,7 @@ class Capacity:
                 self._gpus = int(self._gpu_count())
             if self._gpus:
                 return self._gpus, f"{self._gpus} GPU(s) on this machine"
-        # host memory (auto with no GPU; gpu: the planner skips, saying so, as before)
+        # host memory (auto with no GPU; gpu with none: the planner skips the test, saying why)
         if max(spec.sizes) * RANK_LEAST_MIB <= 1024:  # a GiB fits anywhere: the host is not asked
             return None, ""
         return self.host_cap()
