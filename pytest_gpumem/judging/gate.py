@@ -13,7 +13,7 @@ from ..config.settings import Settings
 from ..config.spec import Spec, Tolerance
 from ..launching.runs import TestRun
 from ..measurement.provenance import CONFIG_PREFIX, config_provenance
-from ..measurement.size import ALLOCATED, SizeResult
+from ..measurement.size import ALLOCATED
 from ..sampling.allocations import is_allocation_method
 from ..sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from . import audit
@@ -115,7 +115,7 @@ class Gate:
                                    spec.allocated_tolerance.resolve(exact=True), e.ranks, e.allocated_ranks,
                                    e.gated_rank)
                     for n, e in stored.items()}
-            verdict = judge(spec, test.results, refs, tuple(notes))
+            verdict = judge(spec, test.results, refs, tuple(notes), test.readings)
             if self.settings.refresh:
                 try:
                     changes = self._refresh(test)
@@ -170,7 +170,7 @@ class Gate:
                 continue
             platform = result.platform
             entry = self.store.lookup(test.test_id, platform, result.world_size)
-            measured = _gated_method(result, test.spec.rank)
+            measured = test.readings[result.world_size].method
             if entry is None:
                 missing.append(result.world_size)
                 continue
@@ -206,7 +206,7 @@ class Gate:
         result = next((r for r in test.results if r.world_size == world_size and not r.predicted), None)
         if result is None or result.device != "cpu" or entry.device != "cpu":
             return tolerance.resolve(exact=False), None  # a GPU's device figure moves between launches
-        if not is_allocation_method(_gated_method(result, test.spec.rank)):
+        if not is_allocation_method(test.readings[world_size].method):
             return tolerance.resolve(exact=False), None  # a resident set wanders with the page cache
         here, there = test.provenance.get("cpu_model"), entry.provenance.get("cpu_model")
         if not (here and there):
@@ -231,7 +231,7 @@ class Gate:
                 found = self.store.lookup(test.test_id, fake_platform, result.world_size)
             except BaselineError:
                 return []  # the file's problem is reported where it is judged
-            _, real, _ = result.read(test.spec.rank, "allocated")
+            _, real, _ = test.readings[result.world_size].allocated
             if found is None or found.allocated_mib is None or real is None:
                 continue
             fake = found.allocated_mib
@@ -247,7 +247,7 @@ class Gate:
         """Sizes neither launched, simulated nor predicted: shown always; where nothing above
         nproc=1 was gated, a failure in CI (gpumem_unlaunched), since a regression there would pass."""
         text = "; ".join(f"nproc={n} not launched: {why}" for n, why in sorted(test.unlaunched.items()))
-        gated = any(r.world_size > 1 and r.gated(test.spec.rank)[1] is not None for r in test.results)
+        gated = any(n > 1 and reading.mib is not None for n, reading in test.readings.items())
         if not gated and self.settings.fail_on_unlaunched:
             return Findings(problems=(f"gpumem: nothing above nproc=1 was gated: {text} (fails when CI is set; "
                                       "gpumem_unlaunched=warn accepts it, simulate='auto' runs torch sizes as a "
@@ -267,21 +267,21 @@ class Gate:
         provenance = {**host_provenance(os.environ), **test.provenance}
         by_platform: dict[str, dict[int, Entry]] = {}  # a simulated size is filed apart from real ones
         for result in test.results:
-            _, gated = result.gated(spec.rank)
+            reading = test.readings[result.world_size]
+            gated, rank = reading.mib, reading.rank
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
             entries = by_platform.setdefault(result.platform, {})
-            rank = result.gated_rank(spec.rank)
-            _, allocated, figure = result.read(spec.rank, ALLOCATED)
+            _, allocated, figure = reading.allocated
             reserved = result.allocated.get(rank) if rank is not None else None
             sites = growth_mod.stored_sites(result.sites.get(rank, ())) if rank is not None else []
-            every = spec.rank == "all"  # each rank is judged against its own figure: keep them all
+            every = reading.every  # each rank is judged against its own figure: keep them all
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
                 rank=spec.rank,
                 device=result.device,
-                method=_gated_method(result, spec.rank),
+                method=reading.method,
                 provenance=provenance,
                 allocated_mib=allocated if figure == ALLOCATED else None,
                 reserved_mib=reserved.reserved_mib if reserved is not None else None,
@@ -328,12 +328,6 @@ def metric(method: str) -> str:
     if method.startswith(("high-water mark", "rss")):
         return "host resident memory"
     return "gpu memory"  # per-pid, accounting and device figures are all what nvidia-smi shows
-
-
-def _gated_method(result: SizeResult, rank: int | str) -> str:
-    gated = result.gated_rank(rank)
-    peak = result.peaks.get(gated) if gated is not None else None
-    return peak.method if peak is not None else result.methods
 
 
 def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> Status:

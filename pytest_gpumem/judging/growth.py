@@ -146,11 +146,12 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> Gr
     result = by_size[size]
     kinds = {c.kind for c in verdict.failures if c.world_size == size}
     entry = stored.get(size)
-    if test.spec.rank == "all" and "baseline" in kinds and entry is not None:
+    reading = test.readings[size]
+    if reading.every and "baseline" in kinds and entry is not None:
         own = _most_grown_rank(result, entry)
         if own is not None:
             return own
-    rank = result.gated_rank(test.spec.rank)
+    rank = reading.rank
     new = result.sites.get(rank) if rank is not None else None
     if not new:
         return None
@@ -159,7 +160,7 @@ def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> Gr
     if "baseline" in kinds and entry is not None and entry.sites:
         return _against_baseline(entry, new)
     # The same rank at the reference; for rank="all" the reference's largest (a relaunch records it).
-    ref_rank = one.gated_rank(test.spec.rank) if one is not None else None
+    ref_rank = test.readings[ref].rank if one is not None else None
     if size > ref and one is not None and ref_rank is not None and one.sites.get(ref_rank):
         against = f"nproc={ref}" if ref_rank == rank else f"rank {ref_rank} (largest) at nproc={ref}"
         return site_growth(one.sites[ref_rank], new, against)

@@ -140,3 +140,44 @@ class SizeResult:
     @property
     def methods(self) -> str:
         return ", ".join(sorted({p.method for p in self.peaks.values()})) or "not available"
+
+
+Figure = tuple[str, float | None, str]  # (label of the gated rank, its MiB, the figure read)
+
+
+@dataclass(frozen=True)
+class GatedReading:
+    """Which rank of one size is gated, and what it reads: decided once per size, by
+    :func:`gated_reading`, where judging starts, and handed to every step after it."""
+
+    asked: int | str  # the marker's rank: an int or "all"
+    rank: int | None  # the gated rank; None under "all" with no rank measured, or for a predicted size
+    label: str  # "rank 0", "rank 3 (largest)", "all ranks", a prediction's label
+    mib: float | None  # its device (GPU) or host figure; a predicted size's fitted one
+    device: Figure  # what a limit on the device figure reads
+    allocated: Figure  # what a limit on the allocator figure reads (the device figure where there is none)
+    others_mib: float | None  # the largest peak of the ranks not gated
+    method: str  # how the gated figure was measured
+
+    @property
+    def every(self) -> bool:
+        """``rank="all"``: the largest rank is gated, and each rank held to its own stored figure."""
+        return self.asked == "all"
+
+    def read(self, figure: str) -> Figure:
+        """What a limit that reads ``figure`` reads (see :meth:`SizeResult.read`)."""
+        return self.allocated if figure == ALLOCATED else self.device
+
+
+def gated_subject(rank: int | str) -> str:
+    """Whose peak each size's figure is, for the marker's ``rank``: ``largest rank`` or ``rank 0``."""
+    return "largest rank" if rank == "all" else f"rank {rank}"
+
+
+def gated_reading(result: SizeResult, rank: int | str) -> GatedReading:
+    """The one place that decides which rank of ``result`` is gated for the marker's ``rank``."""
+    top = result.gated_rank(rank)
+    peak = result.peaks.get(top) if top is not None else None
+    label, mib = result.gated(rank)
+    return GatedReading(rank, top, label, mib, result.read(rank, DEVICE), result.read(rank, ALLOCATED),
+                        result.others_max(rank), peak.method if peak is not None else result.methods)

@@ -237,3 +237,34 @@ def test_the_fill_check_sees_a_handed_object_changed_through_a_loop():
     fn = ast.parse(source).body[0]
     assert isinstance(fn, ast.FunctionDef)
     assert _fills(fn) == [(3, "run.result"), (4, "run.notes.append")]
+
+
+# Where a size's gated reading is made: once judging starts (a finished run's readings), and before it
+# for the sizes the launch cap fits a prediction to and a size relaunched for its peak sites; ``judge``
+# makes them for a caller that hands it results without a run.
+_READERS = {"launching/runs.py:readings", "judging/verdict.py:judge", "launching/scaling.py:_predict",
+            "launching/runner.py:_with_sites"}
+
+
+def test_which_rank_is_gated_is_decided_in_one_place():
+    """Which rank of a size is gated, its label and its figures: ``measurement.size.gated_reading``
+    decides, and the reading is handed on (issue 56: 30 call sites recomputed it from the result and
+    the marker's rank, in five modules)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        if where == "measurement/size.py":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                deciding = name in ("gated", "gated_rank", "others_max") or (
+                    name == "read" and len(node.args) == 2 and "rank" in ast.unparse(node.args[0]))
+                if deciding or (name == "gated_reading" and f"{where}:{fn.name}" not in _READERS):
+                    found.append(f"{where}:{fn.name} line {node.lineno}: {ast.unparse(node)}")
+    assert found == [], "hand the size's GatedReading down instead: " + "; ".join(found)
+
