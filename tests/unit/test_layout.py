@@ -268,3 +268,21 @@ def test_which_rank_is_gated_is_decided_in_one_place():
                     found.append(f"{where}:{fn.name} line {node.lineno}: {ast.unparse(node)}")
     assert found == [], "hand the size's GatedReading down instead: " + "; ".join(found)
 
+
+def test_the_drawn_path_of_one_test_goes_down_the_layers_once():
+    """docs/architecture.md draws one test's path from the hook to the table: each module once, the
+    top level first and then the layers in order, each module reached (imported) from one drawn above
+    it, so a reader never climbs back to a room already left (issue 56: 53 stops, 38 returns)."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("## The path of one test", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = [line.split()[0] for line in block.splitlines() if line.strip()]
+    assert len(drawn) == len(set(drawn)), drawn
+    paths = [PACKAGE / name for name in drawn]
+    assert all(path.is_file() for path in paths), drawn
+    rank = [-1 if path.parent == PACKAGE else LAYERS.index(path.relative_to(PACKAGE).parts[0]) for path in paths]
+    assert rank == sorted(rank), f"not in layer order: {drawn}"
+    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    names = [_module_name(path) for path in paths]
+    for i, name in enumerate(names[1:], 1):
+        reached = any(name in _module_imports(above, known) for above in paths[:i])
+        assert reached, f"{drawn[i]}: imported by no module drawn above it"
