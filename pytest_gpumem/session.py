@@ -30,22 +30,32 @@ if TYPE_CHECKING:
 
 
 def preflight(settings: Settings) -> str | None:
-    """What makes this session unusable before any launch (a fake GPU model nobody measured, plots
-    asked for without matplotlib): the option and what to do, or None."""
-    if settings.enabled and settings.fake_gpu != "off":
+    """What makes this session unusable before any launch: the option and what to do, or None."""
+    problem = unusable(settings, fake_gpu=settings.enabled and settings.fake_gpu != "off",
+                       plots=settings.plots is not None)
+    return None if problem is None else f"{_SESSION_NAMES[problem[0]]}: {problem[1]}"
+
+
+_SESSION_NAMES = {"fake_gpu_model": "gpumem_fake_gpu_model", "plots": "--gpumem-plots"}
+
+
+def unusable(settings: Settings, *, fake_gpu: bool, plots: bool) -> tuple[str, str] | None:
+    """(the option, what is wrong) where a run cannot start: a fake GPU model nobody measured, plots
+    asked for without matplotlib; the caller names the option its own way (``gpumem measure``: a flag)."""
+    if fake_gpu:
         from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
 
         try:
             model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
         except CalibrationError as exc:
-            return f"gpumem_fake_gpu_model: {exc}"
-    if settings.plots is not None:
-        from .presentation import plots
+            return "fake_gpu_model", str(exc)
+    if plots:
+        from .presentation import plots as plotting
 
         try:
-            plots.check_available()
-        except plots.PlotsUnavailable as exc:
-            return f"--gpumem-plots: {exc}"
+            plotting.check_available()
+        except plotting.PlotsUnavailable as exc:
+            return "plots", str(exc)
     return None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..config.settings import Settings
 from ..config.spec import Spec, Tolerance
@@ -330,10 +330,25 @@ def metric(method: str) -> str:
     return "gpu memory"  # per-pid, accounting and device figures are all what nvidia-smi shows
 
 
-def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> Status:
-    """pytest's word for the test; the cause of a failure is decided beside it."""
+def _status(test: TestRun, verdict: Verdict | None, problems: Sequence[str], unjudged: Status = "passed") -> Status:
+    """pytest's word for the test (``unjudged``: the word where no limit was given); the cause of a
+    failure is decided beside it."""
     if test.skip_reason is not None:
         return "skipped"
-    if problems:
+    if problems or verdict is None or not verdict.passed:
         return "failed"
-    return "passed" if verdict is not None and verdict.passed else "failed"
+    judged = any(check.kind in ("max_mib", "max_ratio", "baseline") for check in verdict.checks)
+    return "passed" if judged else unjudged
+
+
+def measured(test: TestRun) -> tuple[TestRecord, list[str]]:
+    """``gpumem measure``'s outcome: the limits the command was given, judged (a program has no stored
+    baseline), ``measured`` where none was; and what to say where it failed."""
+    verdict = judge(test.spec, test.results, readings=test.readings) if test.results and not test.problems else None
+    status = _status(test, verdict, test.problems, unjudged="measured")
+    cause: Cause | None = None
+    if status == "failed":
+        cause = "crash" if test.problems or verdict is None else "limit"  # limit: a size without a figure too
+    rec = build(test, verdict, status, cause=cause,
+                messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
+    return rec, list(rec.messages) or [str(c) for c in (verdict.failures if verdict else [])]
