@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from .config import inifile
 from .config.settings import OPTIONS, SettingsError, option, resolve
 from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
+from .session import preflight
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 _PYTHON = re.compile(r"^python[\d.]*$")
@@ -145,11 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = getattr(args, name)
         if path is not None and not _writable(path.parent):
             return _fail(f"argument --{name}: cannot write {str(path)!r}: expected a writable path")
-    from .session import unusable
-
-    problem = unusable(settings, fake_gpu=spec.device == "gpu" and spec.fake_gpu != "off", plots=args.plots is not None)
+    problem = preflight(settings, fake_gpu=spec.device == "gpu" and spec.fake_gpu != "off",
+                        plots=args.plots is not None,
+                        names={"fake_gpu_model": "argument --fake-gpu-model", "plots": "argument --plots"})
     if problem is not None:
-        return _fail(f"argument --{problem[0].replace('_', '-')}: {problem[1]}")
+        return _fail(problem)
     return _measure(spec, settings, args, " ".join(command))
 
 

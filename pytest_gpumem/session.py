@@ -10,7 +10,7 @@ What differs is passed in: where the ranks' pytest runs from and what it is give
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,33 +29,27 @@ if TYPE_CHECKING:
 # imports this module's caller, and pays nothing until then (benchmarks/startup.py).
 
 
-def preflight(settings: Settings) -> str | None:
-    """What makes this session unusable before any launch: the option and what to do, or None."""
-    problem = unusable(settings, fake_gpu=settings.enabled and settings.fake_gpu != "off",
-                       plots=settings.plots is not None)
-    return None if problem is None else f"{_SESSION_NAMES[problem[0]]}: {problem[1]}"
+_NAMES = {"fake_gpu_model": "gpumem_fake_gpu_model", "plots": "--gpumem-plots"}  # as a session's options
 
 
-_SESSION_NAMES = {"fake_gpu_model": "gpumem_fake_gpu_model", "plots": "--gpumem-plots"}
-
-
-def unusable(settings: Settings, *, fake_gpu: bool, plots: bool) -> tuple[str, str] | None:
-    """(the option, what is wrong) where a run cannot start: a fake GPU model nobody measured, plots
-    asked for without matplotlib; the caller names the option its own way (``gpumem measure``: a flag)."""
-    if fake_gpu:
+def preflight(settings: Settings, *, fake_gpu: bool | None = None, plots: bool | None = None,
+              names: Mapping[str, str] = _NAMES) -> str | None:
+    """What makes a run unusable before any launch (a fake GPU model nobody measured, plots without
+    matplotlib): the option as ``names`` calls it and what to do, or None (``gpumem measure``: its flags)."""
+    if (settings.enabled and settings.fake_gpu != "off") if fake_gpu is None else fake_gpu:
         from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
 
         try:
             model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
         except CalibrationError as exc:
-            return "fake_gpu_model", str(exc)
-    if plots:
+            return f"{names['fake_gpu_model']}: {exc}"
+    if (settings.plots is not None) if plots is None else plots:
         from .presentation import plots as plotting
 
         try:
             plotting.check_available()
         except plotting.PlotsUnavailable as exc:
-            return "plots", str(exc)
+            return f"{names['plots']}: {exc}"
     return None
 
 

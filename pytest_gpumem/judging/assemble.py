@@ -85,9 +85,7 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
 
 def _ratio_figure(readings: Mapping[int, GatedReading], world_size: int, spec: Spec) -> str:
     one = readings.get(spec.reference)
-    if one is None or world_size <= spec.reference:
-        return ""
-    return ratio_figures(spec, one, readings[world_size])[2]
+    return ratio_figures(spec, one, readings[world_size])[2] if one and world_size > spec.reference else ""
 
 
 def _allocated_reading(reading: GatedReading) -> float | None:

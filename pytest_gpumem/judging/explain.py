@@ -6,8 +6,9 @@ In the motivating cases the hard part was the explanation: which framework commi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping
 
+from ..launching.runs import TestRun
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
 from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX
@@ -15,9 +16,6 @@ from . import audit
 from .baseline import Entry
 from .growth import Growth, sites_size
 from .verdict import DIGITS, Verdict, mib
-
-if TYPE_CHECKING:
-    from ..launching.runs import TestRun
 
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
 _AUDITS = (BOXING_PREFIX, EAGER_PREFIX)  # the conversion audits: shown in their own sections
@@ -126,9 +124,7 @@ def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored:
         else:
             sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):")
         sites.extend(f"    {line}" for line in grown.lines())
-    if not changed:
-        driver = hardware_change(next(iter(stored.values())), test.provenance) if stored else []
-        changed = driver
+    changed = changed or (hardware_change(next(iter(stored.values())), test.provenance) if stored else [])
     lead: list[str] = []  # what changed, right under the headline: often the whole answer
     if changed:
         lead.append(f"  changed since the baseline: {changed[0]}")

@@ -136,9 +136,7 @@ class Gate:
             changed = list(dict.fromkeys(config + hardware_change(entry, test.provenance) + declared))
         grown = grown_sites(test, verdict, stored) if verdict is not None and not verdict.passed else None
         status = _status(test, verdict, problems)
-        if status == "failed" and cause is None:
-            cause = "limit"
-        rec = build(test, verdict, status, cause=cause if status == "failed" else None,
+        rec = build(test, verdict, status, cause=(cause or "limit") if status == "failed" else None,
                     baselines={n: e.gated_mib for n, e in stored.items()},
                     allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
@@ -331,8 +329,7 @@ def metric(method: str) -> str:
 
 
 def _status(test: TestRun, verdict: Verdict | None, problems: Sequence[str], unjudged: Status = "passed") -> Status:
-    """pytest's word for the test (``unjudged``: the word where no limit was given); the cause of a
-    failure is decided beside it."""
+    """pytest's word for the test (``unjudged``: where no limit was given); its cause is decided beside it."""
     if test.skip_reason is not None:
         return "skipped"
     if problems or verdict is None or not verdict.passed:
@@ -342,13 +339,10 @@ def _status(test: TestRun, verdict: Verdict | None, problems: Sequence[str], unj
 
 
 def measured(test: TestRun) -> tuple[TestRecord, list[str]]:
-    """``gpumem measure``'s outcome: the limits the command was given, judged (a program has no stored
-    baseline), ``measured`` where none was; and what to say where it failed."""
+    """``gpumem measure``'s record, its limits judged (a program has no baseline), and what to say if it failed."""
     verdict = judge(test.spec, test.results, readings=test.readings) if test.results and not test.problems else None
     status = _status(test, verdict, test.problems, unjudged="measured")
-    cause: Cause | None = None
-    if status == "failed":
-        cause = "crash" if test.problems or verdict is None else "limit"  # limit: a size without a figure too
+    cause: Cause | None = None if status != "failed" else "crash" if test.problems or verdict is None else "limit"
     rec = build(test, verdict, status, cause=cause,
                 messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
     return rec, list(rec.messages) or [str(c) for c in (verdict.failures if verdict else [])]

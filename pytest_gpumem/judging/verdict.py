@@ -284,16 +284,14 @@ def judge(
     notes: tuple[str, ...] = (),
     readings: Mapping[int, GatedReading] | None = None,
 ) -> Verdict:
-    """Apply every limit of ``spec`` (and the stored baselines) to every launched size, each on the
-    figure it reads (``spec.figures``); a predicted size whose model was not validated only advises.
-    ``readings``: each size's gated reading, where the caller has them (``TestRun.readings``)."""
+    """Apply every limit of ``spec`` (and the stored baselines) to every size's gated reading (made here
+    unless handed), each on the figure it reads; a predicted size whose model was not validated only advises."""
     checks: list[Check] = []
     extra_notes = list(notes)
     if readings is None:
         readings = {r.world_size: gated_reading(r, spec.rank) for r in results}
-    by_size = {r.world_size: r for r in results}
     ref = spec.reference
-    one = by_size.get(ref)  # what the ratio is taken against: nproc=1 unless the marker names a reference
+    one = next((r for r in results if r.world_size == ref), None)  # nproc=1 unless the marker names a reference
     for result in sorted(results, key=lambda r: r.world_size):
         n = result.world_size
         reading = readings[n]
@@ -371,14 +369,12 @@ def _baseline_checks(spec: Spec, result: SizeResult, reading: GatedReading, base
     rank="all" each rank's against its own as well."""
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     if result.fake_gpu:  # one figure, the allocator's: judged once, at its own tolerance
-        label, mib, figure = reading.allocated
         stored = base.allocated_mib if base.allocated_mib is not None else base.mib
-        pairs.append((label, mib, figure, stored, base.allocated_tolerance or spec.allocated_tolerance, False))
+        pairs.append((*reading.allocated, stored, base.allocated_tolerance or spec.allocated_tolerance, False))
         if reading.every:
             pairs += [pair for pair in _rank_pairs(spec, result, reading, base) if pair[2] == ALLOCATED]
         return _baseline_pairs(pairs, result, check)
-    label, mib, figure = reading.device
-    pairs.append((label, mib, figure, base.mib, base.tolerance, False))
+    pairs.append((*reading.device, base.mib, base.tolerance, False))
     if spec.figure("baseline") == ALLOCATED and base.allocated_mib is not None:
         label, value, figure = reading.allocated
         if figure == ALLOCATED:

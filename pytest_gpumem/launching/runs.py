@@ -61,6 +61,5 @@ class TestRun:
 
     @cached_property
     def readings(self) -> dict[int, GatedReading]:
-        """Each size's gated reading, by world size: read once judging starts (the gate judges a copy of
-        the finished run), handed to the verdict, the record and the explanation."""
+        """Each size's gated reading, by world size: made once judging starts (the gate judges a copy)."""
         return {result.world_size: gated_reading(result, self.spec.rank) for result in self.results}

@@ -249,24 +249,19 @@ _READERS = {"launching/runs.py:readings", "judging/verdict.py:judge", "launching
 def test_which_rank_is_gated_is_decided_in_one_place():
     """Which rank of a size is gated, its label and its figures: ``measurement.size.gated_reading``
     decides, and the reading is handed on (issue 56: 30 call sites recomputed it from the result and
-    the marker's rank, in five modules)."""
+    the marker's rank, in five modules); ``SizeResult`` itself takes no rank."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         where = str(path.relative_to(PACKAGE))
-        if where == "measurement/size.py":
-            continue
         for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(fn):
-                if not isinstance(node, ast.Call):
-                    continue
-                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                deciding = name in ("gated", "gated_rank", "others_max") or (
-                    name == "read" and len(node.args) == 2 and "rank" in ast.unparse(node.args[0]))
-                if deciding or (name == "gated_reading" and f"{where}:{fn.name}" not in _READERS):
-                    found.append(f"{where}:{fn.name} line {node.lineno}: {ast.unparse(node)}")
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and f"{where}:{fn.name}" not in _READERS:
+                found += [f"{where}:{fn.name} line {node.lineno}" for node in ast.walk(fn)
+                          if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "gated_reading"]
     assert found == [], "hand the size's GatedReading down instead: " + "; ".join(found)
+    size = next(node for node in ast.parse((PACKAGE / "measurement" / "size.py").read_text()).body
+                if isinstance(node, ast.ClassDef) and node.name == "SizeResult")
+    assert [fn.name for fn in size.body if isinstance(fn, ast.FunctionDef)
+            and "rank" in [a.arg for a in fn.args.args]] == []
 
 
 def test_the_drawn_path_of_one_test_goes_down_the_layers_once():
