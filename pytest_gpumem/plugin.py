@@ -23,7 +23,7 @@ from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, mark
 from .rankside.rank import declare_config
 
 if TYPE_CHECKING:
-    from .gate import Outcome
+    from .judging.gate import Outcome
     from .judging.record import TestRecord
     from .launching.watch import Watch
     from .session import Session

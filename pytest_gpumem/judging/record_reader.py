@@ -298,9 +298,6 @@ class _Reader(_Fields):
             return None
         return tuple(from_dicts(raw))
 
-    def _optional_mib(self, raw: Any, where: str) -> float | None:
-        return None if raw is None else self.mib(raw, where)
-
     def record(self, raw: Any, where: str) -> TestRecord | None:
         if not isinstance(raw, dict):
             self.bad(where, "an object", raw)

@@ -97,7 +97,7 @@ class LaunchResult:
     start: str = "exec"                    # how the ranks were started: "fork" or "exec"
     start_refusal: str | None = None       # a fork was asked for and refused here: why
     port: int | None = None                # the rendezvous port (MASTER_PORT) the launch was given
-    port_note: str | None = None           # why the port was not leased (chosen free, as before)
+    port_note: str | None = None           # why the port was not leased (a free one was chosen)
     # The rendezvous port was taken by another program before any rank's test body started: the line
     # that says so (a relaunch on another port runs no user test body twice; runner.py does it).
     port_lost: str | None = None
@@ -264,7 +264,7 @@ class Launch(LaunchProcesses):
 
     def _lease_port(self) -> tuple[PortLease | None, str | None]:
         """The launch's MASTER_PORT, leased for its life (``ports.py``); a launcher that picks its own
-        leases none. Where none can be leased, a port chosen free, as before, and why."""
+        leases none. Where none can be leased, a port chosen free (unleased), and why."""
         if self.picks_own_port:
             return None, None
         try:

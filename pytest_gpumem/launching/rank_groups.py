@@ -4,7 +4,7 @@ A rank of ``rank="all"`` in a simulated world is a process of its own with a sta
 so its figure does not depend on the others running beside it. On GPUs, as many ranks run at a time
 as there are GPUs (each alone on one), one group after another: eight ranks of a model that takes
 60 GiB a rank do not fit on one GPU together, one at a time they do. On host memory or a fake GPU
-(no device memory to share) every rank runs at once, as before. The groups' figures are merged
+(no device memory to share) every rank runs at once. The groups' figures are merged
 into one run of the world's size; the cost is said in the run's notes.
 """
 
