@@ -110,8 +110,6 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
         supplied=tuple(dict.fromkeys(line for report in reports.values()
                                      for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
-        startup_peaks={rank: float(r.alloc_startup[1]) for rank, r in reports.items()
-                       if isinstance(r.alloc_startup, list) and len(r.alloc_startup) == 2},
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited)
     graphs = read_records(protocol.rank_file(workdir, 0, "boxing"))

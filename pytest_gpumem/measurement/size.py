@@ -72,7 +72,6 @@ class SizeResult:
     # A fake GPU: what it supplied that fake tensors lack (values read, sizes assumed, compiled code run
     # eagerly), each with the job's line (rankside.fakegpu.values): what the figure assumed.
     supplied: tuple[str, ...] = ()
-    startup_peaks: Mapping[int, float] = field(default_factory=dict)  # each rank's start-up peak, MiB
 
     @property
     def predicted(self) -> bool:
@@ -175,5 +174,4 @@ PER_RANK = (
     PerRank("sites", "sites", "sites", after="allocated_baseline_mib"),
     PerRank("sites_notes", "sites_notes", "lines"),
     PerRank("live_timeline", "live_timeline", "curve"),
-    PerRank("startup_peaks", "startup_ranks", "mib"),
 )
