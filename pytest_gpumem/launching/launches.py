@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..config.env_names import STARTUP_ENV
 from ..config.spec import Spec
-from ..measurement.size import SizeResult
+from ..measurement.size import LINES, PER_RANK, SizeResult
 from ..rankside import protocol
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
@@ -217,13 +217,9 @@ def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
     def keyed(values: Mapping[int, Any]) -> dict[int, Any]:
         return {ranks[slot]: value for slot, value in values.items() if slot < len(ranks)}
 
-    def curve(points: tuple[tuple[float, Mapping[int, float]], ...]) -> tuple[tuple[float, Mapping[int, float]], ...]:
-        return tuple((t, keyed(values)) for t, values in points)
-
     result = run.result
+    figures: dict[str, Any] = {f.name: tuple((t, keyed(v)) for t, v in getattr(result, f.name)) if f.kind == "curve"
+                               else keyed(getattr(result, f.name)) for f in PER_RANK if f.kind not in LINES}
     # its problems name the ranks its processes stood for already (failures.who)
     return replace(run, outcomes=keyed(run.outcomes), result=replace(
-        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform),
-        peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
-        rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
-        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline)))
+        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform), **figures))

@@ -7,7 +7,7 @@ launched), judged by ``judging``, held by the record every output renders (``jud
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Literal, Mapping
 
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.sites import Site
@@ -159,3 +159,38 @@ def _allocator_figure(result: SizeResult, rank: int | str) -> Figure | None:
         return f"rank {top} (largest)", result.allocated[top].mib, ALLOCATED
     mine = result.allocated.get(int(rank)) if rank != "all" else None
     return None if mine is None else (f"rank {rank}", mine.mib, ALLOCATED)
+
+
+# What a per-rank field holds: a map by rank of a Peak, of MiB (written to 0.1), of a text, of an
+# allocator figure or of the sites at the peak; a curve (points in time, each a map by rank); lines of
+# text, which name no rank (merged as first seen, or sorted).
+Kind = Literal["peak", "mib", "text", "allocated", "sites", "curve", "lines", "sorted lines"]
+LINES: tuple[Kind, ...] = ("lines", "sorted lines")
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """A field of :class:`SizeResult` that each launch fills for the ranks it ran, declared once in
+    :data:`PER_RANK`: ``launching`` keys it by the ranks a simulated launch stood for and merges the
+    launches of one world, ``judging.record`` writes it under ``json`` and reads it back."""
+
+    name: str
+    json: str
+    kind: Kind
+    after: str = ""  # the key of a record's size it follows (reports keep their layout); "": the field above
+    methods: str = ""  # a Peak map: the key of how each figure was taken, beside the figures
+
+
+PER_RANK = (
+    PerRank("peaks", "ranks", "peak", after="gated_mib", methods="methods"),
+    PerRank("host_peaks", "host_ranks", "peak", after="others_max_mib", methods="host_methods"),
+    PerRank("rss_peaks", "rss_ranks", "mib"),
+    PerRank("nodes", "nodes", "text", after="reused"),
+    PerRank("timeline", "timeline", "curve"),
+    PerRank("uncounted", "uncounted", "sorted lines", after="fake_gpu"),
+    PerRank("supplied", "supplied", "lines"),
+    PerRank("allocated", "allocated_ranks", "allocated"),  # torch's: the one allocator read
+    PerRank("sites", "sites", "sites", after="allocated_baseline_mib"),
+    PerRank("sites_notes", "sites_notes", "lines"),
+    PerRank("live_timeline", "live_timeline", "curve"),
+)
