@@ -89,7 +89,7 @@ def measure(test_id: str, kwargs: dict[str, Any], sizes: tuple[int, ...], batch:
     if test.problems or test.skip_reason:
         out["error"] = (test.skip_reason or "\n".join(test.problems))[-2000:]
         return out
-    out["measured"] = {str(r.world_size): r.gated(spec.rank)[1] for r in test.results}
+    out["measured"] = {str(n): reading.mib for n, reading in test.readings.items()}
     out["ranks"] = {str(r.world_size): {str(k): p.mib for k, p in r.peaks.items()} for r in test.results}
     out["method"] = sorted({r.methods for r in test.results})
     out["durations"] = {str(r.world_size): round(r.duration_s, 1) for r in test.results}

@@ -20,14 +20,12 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .config import inifile
 from .config.settings import OPTIONS, SettingsError, option, resolve
 from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
-
-if TYPE_CHECKING:
-    from .judging.record import Cause, Status, TestRecord
+from .session import preflight
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
 _PYTHON = re.compile(r"^python[\d.]*$")
@@ -144,24 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         name = str(exc).split("=", 1)[0]
         return _fail(f"argument --{name.replace('_', '-')}: {exc}" if name.isidentifier() else str(exc))
-    if spec.device == "gpu" and spec.fake_gpu != "off":  # a model nobody measured: say so before a launch
-        from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
-
-        try:
-            model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
-        except CalibrationError as exc:
-            return _fail(f"argument --fake-gpu-model: {exc}")
     for name in ("report", "markdown"):
         path = getattr(args, name)
         if path is not None and not _writable(path.parent):
             return _fail(f"argument --{name}: cannot write {str(path)!r}: expected a writable path")
-    if args.plots is not None:
-        from .presentation import plots
-
-        try:
-            plots.check_available()
-        except plots.PlotsUnavailable as exc:
-            return _fail(f"argument --plots: {exc}")
+    problem = preflight(settings, fake_gpu=spec.device == "gpu" and spec.fake_gpu != "off",
+                        plots=args.plots is not None,
+                        names={"fake_gpu_model": "argument --fake-gpu-model", "plots": "argument --plots"})
+    if problem is not None:
+        return _fail(problem)
     return _measure(spec, settings, args, " ".join(command))
 
 
@@ -175,18 +164,14 @@ def _writable(folder: Path) -> bool:
 
 def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -> int:
     from . import session
-    from .judging.assemble import build
+    from .judging.gate import measured
     from .judging.record import report_document
-    from .judging.verdict import judge
     from .launching import scaling
     from .presentation import outputs
+    from .presentation.report import scaling_table
 
     built = session.Session.from_settings(settings, rootdir=Path.cwd(), cwd=Path.cwd(), rank_pytest_args=_no_pytest)
-    test = scaling.run(built.runner, command, spec, built.capacity)
-    verdict = judge(spec, test.results) if test.results and not test.problems else None
-    status, cause = _status(test.skip_reason, test.problems, verdict)
-    rec = build(test, verdict, status, cause=cause,
-                messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
+    rec, failures = measured(scaling.run(built.runner, command, spec, built.capacity))
     for line in scaling_table(rec):
         print(line)
     if args.report is not None:
@@ -197,61 +182,12 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
         from .presentation import plots
 
         plots.plot_all([rec], args.plots)
-    if status in ("passed", "measured"):
+    if rec.status in ("passed", "measured"):
         return 0
-    for message in rec.messages or [str(c) for c in (verdict.failures if verdict else [])]:
+    for message in failures:
         print(f"gpumem measure: {message}", file=sys.stderr)
     return 1
 
 
-def _status(skip_reason: str | None, problems: list[str], verdict: Any) -> tuple[Status, Cause | None]:
-    """``measured`` where no limit was given (nothing was judged), ``passed`` where limits held."""
-    if skip_reason:
-        return "skipped", None
-    if problems or verdict is None:
-        return "failed", "crash"
-    if not verdict.passed:
-        return "failed", "limit"  # a size without a figure ("no peak could be measured")
-    judged = any(check.kind in ("max_mib", "max_ratio", "baseline") for check in verdict.checks)
-    return ("passed" if judged else "measured"), None
-
-
 def _no_pytest(test_id: str) -> list[str]:
     raise AssertionError("gpumem measure launches programs, never a test body")
-
-
-def _mib(value: Any) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def scaling_table(rec: TestRecord) -> list[str]:
-    """One row per world size: the gated rank, the other ranks' range, the largest, the ratio to
-    nproc=1; a predicted size says so and on what it stands."""
-    header = ("nproc", "gated MiB", "other ranks MiB", "largest MiB", "ratio", "seconds", "how")
-    rows = []
-    for size in rec.sizes:
-        peaks = size.measured.peaks
-        ranks = {r: p.mib for r, p in peaks.items() if p.mib is not None}
-        others = [v for r, v in ranks.items() if r != size.gated_rank]
-        largest = max(ranks.items(), key=lambda item: item[1]) if ranks else None
-        how = f"{size.device}, {size.basis}" if size.predicted else (
-            f"{size.device}, " + ", ".join(sorted({p.method for p in peaks.values()}) or ["not available"]))
-        rows.append((
-            str(size.nproc) + (" (predicted)" if size.predicted else ""),
-            f"{_mib(size.gated_mib)} ({size.gated_label})",
-            "-" if not others else (_mib(min(others)) if min(others) == max(others)
-                                    else f"{min(others):.1f}-{max(others):.1f}"),
-            "-" if largest is None else f"{largest[1]:.1f} (rank {largest[0]})",
-            "-" if size.ratio is None else f"{size.ratio:.2f}x",
-            "-" if size.predicted else f"{size.measured.duration_s:.1f}",
-            how,
-        ))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
-
-    title = f"gpumem measure: {rec.test} ({rec.launcher} launcher): {rec.verdict}"
-    if rec.status == "measured":
-        title += " (no limits given: nothing judged)"
-    return [title, line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]

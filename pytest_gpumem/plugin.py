@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import pytest
 
 from .config import settings as settings_mod
+from .config.env_names import WORKDIR_ENV
 from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
-from .rankside.rank import WORKDIR_ENV, declare_config
+from .rankside.rank import declare_config
 
 if TYPE_CHECKING:
-    from .gate import Outcome
+    from .judging.gate import Outcome
     from .judging.record import TestRecord
     from .launching.watch import Watch
     from .session import Session
@@ -61,12 +62,12 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[str, ...]:
-    """The launcher names this session accepts: the built-in ones, the installed packages' entry
-    points, and those the conftests and plugins give (``pytest_gpumem_launchers``), registered
+    """The launcher names this session accepts: the entry points (the package's own and the installed
+    packages'), and those the conftests and plugins give (``pytest_gpumem_launchers``), registered
     until the session ends."""
     import importlib.metadata
 
-    names = set(LAUNCHERS) | {p.name for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)}
+    names = {p.name for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)}
     given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
     if given:  # the registry (and every launcher module) is imported only where one is added
         from .launching import launcher

@@ -10,7 +10,7 @@ What differs is passed in: where the ranks' pytest runs from and what it is give
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +19,7 @@ from .config.settings import Settings
 
 if TYPE_CHECKING:
     from .config.spec import Spec
-    from .gate import Gate, Outcome
+    from .judging.gate import Gate, Outcome
     from .launching.runner import Runner
     from .launching.scaling import Capacity
     from .launching.watch import Watch
@@ -29,23 +29,27 @@ if TYPE_CHECKING:
 # imports this module's caller, and pays nothing until then (benchmarks/startup.py).
 
 
-def preflight(settings: Settings) -> str | None:
-    """What makes this session unusable before any launch (a fake GPU model nobody measured, plots
-    asked for without matplotlib): the option and what to do, or None."""
-    if settings.enabled and settings.fake_gpu != "off":
+_NAMES = {"fake_gpu_model": "gpumem_fake_gpu_model", "plots": "--gpumem-plots"}  # as a session's options
+
+
+def preflight(settings: Settings, *, fake_gpu: bool | None = None, plots: bool | None = None,
+              names: Mapping[str, str] = _NAMES) -> str | None:
+    """What makes a run unusable before any launch (a fake GPU model nobody measured, plots without
+    matplotlib): the option as ``names`` calls it and what to do, or None (``gpumem measure``: its flags)."""
+    if (settings.enabled and settings.fake_gpu != "off") if fake_gpu is None else fake_gpu:
         from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
 
         try:
             model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
         except CalibrationError as exc:
-            return f"gpumem_fake_gpu_model: {exc}"
-    if settings.plots is not None:
-        from .presentation import plots
+            return f"{names['fake_gpu_model']}: {exc}"
+    if (settings.plots is not None) if plots is None else plots:
+        from .presentation import plots as plotting
 
         try:
-            plots.check_available()
-        except plots.PlotsUnavailable as exc:
-            return f"--gpumem-plots: {exc}"
+            plotting.check_available()
+        except plotting.PlotsUnavailable as exc:
+            return f"{names['plots']}: {exc}"
     return None
 
 
@@ -65,8 +69,8 @@ class Session:
                       watch: Watch | None = None) -> Session:
         """Everything a launch needs, from ``settings`` alone (and what only the caller knows: the
         rank's pytest, where the launches' progress and rank 0's output go)."""
-        from .gate import Gate
         from .judging.baseline import BaselineStore
+        from .judging.gate import Gate
 
         runner = _runner(settings, rootdir, cwd, rank_pytest_args, start_refusal, watch)
         return cls(settings=settings, runner=runner, gate=Gate(settings, BaselineStore(settings.baselines)))

@@ -88,8 +88,8 @@ def _gpu_test_run(provenance):
 
 
 def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
-    from pytest_gpumem.gate import explain_failure
     from pytest_gpumem.judging.baseline import Entry
+    from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.judging.verdict import judge
 
     result = SizeResult(world_size=1, device="gpu", peaks={0: Peak(900.0, "per-pid sampled")})
@@ -106,8 +106,8 @@ def test_a_new_gpu_driver_is_named_first_in_a_gpu_failure():
 
 def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():
     """A failing nn.Graph job whose conversions match its baseline printed the heading with nothing under it."""
-    from pytest_gpumem.gate import explain_failure
     from pytest_gpumem.judging.baseline import Entry
+    from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.judging.verdict import judge
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runner import SizeRun

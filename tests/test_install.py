@@ -67,7 +67,7 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     # pytest_gpumem_launchers spec, pluggy only; session: its preflight, the machinery imported when built)
     assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.hookspecs", "pytest_gpumem.session",
                     "pytest_gpumem.config",
-                    "pytest_gpumem.config.settings",
+                    "pytest_gpumem.config.settings", "pytest_gpumem.config.env_names",
                     "pytest_gpumem.config.spec", "pytest_gpumem.rankside", "pytest_gpumem.rankside.protocol",
                     "pytest_gpumem.rankside.rank", "pytest_gpumem.rankside.fakegpu",
                     "pytest_gpumem.rankside.fakegpu.models"}, ours

@@ -13,11 +13,11 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..rankside.rank import BOXING_ENV, FAST_EXIT_ENV, PYTHON_ALLOCATIONS_ENV, SITES_ENV, TRACK_ENV
+from .env_names import BOXING_ENV, FAST_EXIT_ENV, PYTHON_ALLOCATIONS_ENV, SITES_ENV, TRACK_ENV
 from .spec import (
     DEFAULT_ALLOCATED_TOLERANCE,
     DEFAULT_TOLERANCE,
@@ -121,7 +121,9 @@ def _bool(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting, declared once for the command line, the environment and the ini file.
+    """One setting, declared once for the command line, the environment and the ini file: its flag,
+    variable and ini key are its name's (``--gpumem-lease-dir``, ``GPUMEM_LEASE_DIR``, ``gpumem_lease_dir``)
+    unless ``flag`` or ``env`` says otherwise.
 
     ``shown_default``, when set, is what help texts say instead of the raw ``default`` (an empty
     default means no file, no folder: the text says what happens then).
@@ -130,9 +132,6 @@ class Option:
     """
 
     name: str
-    flag: str
-    env: str | None
-    ini: str
     parse: Callable[[str], Any]
     default: str
     accepted: str
@@ -140,6 +139,16 @@ class Option:
     shown_default: str = ""
     rank_env: bool = False
     const: str | None = None  # a flag that takes no value on the command line and means this value
+    flag: str = ""
+    env: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flag", self.flag or "--gpumem-" + self.name.replace("_", "-"))
+        object.__setattr__(self, "env", self.env or "GPUMEM_" + self.name.upper())
+
+    @property
+    def ini(self) -> str:
+        return f"gpumem_{self.name}"
 
     @property
     def default_text(self) -> str:
@@ -147,166 +156,129 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("launcher", "--gpumem-launcher", "GPUMEM_LAUNCHER", "gpumem_launcher",
-           _launcher_name, "direct", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
+    Option("launcher", _launcher_name, "direct", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
            "default launcher for gpumem tests (direct spawns the ranks itself: no launcher start-up cost)"),
-    Option("timeout", "--gpumem-timeout", "GPUMEM_TIMEOUT", "gpumem_timeout",
-           _positive_float, "600", "a number of seconds > 0",
+    Option("timeout", _positive_float, "600", "a number of seconds > 0",
            "default seconds for a whole launch before every rank is killed"),
-    Option("fail_fast_grace", "--gpumem-fail-fast-grace", "GPUMEM_FAIL_FAST_GRACE", "gpumem_fail_fast_grace",
-           _non_negative_float, "2", "a number of seconds >= 0",
+    Option("fail_fast_grace", _non_negative_float, "2", "a number of seconds >= 0",
            "seconds the other ranks get to end or report their own failure once a rank's test failed "
            "(reported before its fixtures' teardown) or a rank died; then the launch is ended"),
-    Option("max_ratio", "--gpumem-max-ratio", "GPUMEM_MAX_RATIO", "gpumem_max_ratio",
-           _ratio, "none", "a number > 0, or none",
+    Option("max_ratio", _ratio, "none", "a number > 0, or none",
            "default cap on peak(N)/peak(reference) of the gated rank (none: no ratio check; the "
            "reference is nproc=1 unless the marker names one)"),
-    Option("allow_mib", "--gpumem-allow-mib", "GPUMEM_ALLOW_MIB", "gpumem_allow_mib",
-           _non_negative_float, "0", "a number of MiB >= 0",
+    Option("allow_mib", _non_negative_float, "0", "a number of MiB >= 0",
            "default MiB allowed on top of the ratio for buffers that exist only when N > 1"),
-    Option("tolerance", "--gpumem-tolerance", "GPUMEM_TOLERANCE", "gpumem_tolerance",
-           _tolerance, DEFAULT_TOLERANCE, TOLERANCE_ACCEPTED,
+    Option("tolerance", _tolerance, DEFAULT_TOLERANCE, TOLERANCE_ACCEPTED,
            "default allowed drift above a stored baseline (host figures, and the GPU device figure): a "
            "percentage, a size in MiB, or max(percentage, size): the larger of the two"),
-    Option("allocated_tolerance", "--gpumem-allocated-tolerance", "GPUMEM_ALLOCATED_TOLERANCE",
-           "gpumem_allocated_tolerance", _tolerance, DEFAULT_ALLOCATED_TOLERANCE,
+    Option("allocated_tolerance", _tolerance, DEFAULT_ALLOCATED_TOLERANCE,
            'a string like "0.5%", "16MiB" or "max(0.5%, 16MiB)" (the larger of the two)',
            "default allowed drift of the GPU allocator figure (torch max_memory_allocated) above its baseline"),
-    Option("device", "--gpumem-device", "GPUMEM_DEVICE", "gpumem_device",
-           _choice(DEVICES), "auto", "one of " + ", ".join(DEVICES),
+    Option("device", _choice(DEVICES), "auto", "one of " + ", ".join(DEVICES),
            "default memory that is gated: auto (GPU where the ranks use one, host otherwise), gpu, cpu"),
-    Option("interval_ms", "--gpumem-interval-ms", "GPUMEM_INTERVAL_MS", "gpumem_interval_ms",
-           _positive_float, "0", "a number of milliseconds > 0 (0: each sampler's default)",
+    Option("interval_ms", _positive_float, "0", "a number of milliseconds > 0 (0: each sampler's default)",
            "sampling period of the GPU sampler and of the host RSS timeline; the gated host figure "
            "(live allocations) is exact whatever the period",
            shown_default="0: each sampler's own (GPU 2 ms, host 50 ms)"),
-    Option("floor", "--gpumem-floor", "GPUMEM_FLOOR", "gpumem_floor",
-           _choice(("auto", "on", "off")), "auto", "one of auto, on, off",
+    Option("floor", _choice(("auto", "on", "off")), "auto", "one of auto, on, off",
            "measure an empty job of the same framework at each size and show floor and job apart "
            "(auto: for GPU figures, where the CUDA context and communicator are the floor)"),
-    Option("floor_cache", "--gpumem-floor-cache", "GPUMEM_FLOOR_CACHE", "gpumem_floor_cache",
-           str, "", "a file path, or off",
+    Option("floor_cache", str, "", "a file path, or off",
            "where floors are kept for later sessions, per machine, driver, framework, Python, launch and size "
            "(off: measured in every session)",
            shown_default="floors.json in a pytest-gpumem folder of $XDG_CACHE_HOME (~/.cache when unset)"),
-    Option("startup_cache", "--gpumem-startup-cache", "GPUMEM_STARTUP_CACHE", "gpumem_startup_cache",
-           str, "", "a file path, or off",
+    Option("startup_cache", str, "", "a file path, or off",
            "where the ranks' start-up figures (gpumem_host_startup=cached) are kept for later sessions, per "
            "machine, Python, installed versions, test, launch and size, checked against the rootdir files "
            "the ranks imported (off: measured in every session)",
            shown_default="startups.json beside the floor cache"),
-    Option("track_host", "--gpumem-track-host", TRACK_ENV, "gpumem_track_host",
-           _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
+    Option("track_host", _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no)",
            "track each rank's host allocations (memray: the gated host figure). auto: where the host figure "
            "is gated, i.e. not in launches whose ranks have GPUs (device auto or gpu); off: host figures are "
-           "the resident high-water mark (VmHWM)"),
-    Option("python_allocations", "--gpumem-python-allocations", PYTHON_ALLOCATIONS_ENV,
-           "gpumem_python_allocations", _choice(("objects", "arenas")), "objects", "one of objects, arenas",
+           "the resident high-water mark (VmHWM)", env=TRACK_ENV),
+    Option("python_allocations", _choice(("objects", "arenas")), "objects", "one of objects, arenas",
            "how the host tracker counts Python's own objects. objects: one by one, at their size (the figure is "
            "exact to the KiB; tracking costs ~1.8x the CPU of counting arenas); arenas: by the 1 MiB arenas of "
-           "CPython's small-object allocator (cheaper; the figure moves by whole MiB between identical runs)"),
-    Option("host_startup", "--gpumem-host-startup", "GPUMEM_HOST_STARTUP", "gpumem_host_startup",
-           _choice(("cached", "tracked")), "cached", "one of cached, tracked",
+           "CPython's small-object allocator (cheaper; the figure moves by whole MiB between identical runs)",
+           env=PYTHON_ALLOCATIONS_ENV),
+    Option("host_startup", _choice(("cached", "tracked")), "cached", "one of cached, tracked",
            "how a pytest rank's start-up (interpreter, pytest, the test module and its framework) enters the "
            "host figure. cached: tracked in the first launch of a test at each size, its live and peak bytes "
            "at the setup kept (beside the floor cache) and added in later launches, which track from the "
            "setup only; tracked: every rank tracked whole"),
-    Option("gpu_sampler", "--gpumem-gpu-sampler", "GPUMEM_GPU_SAMPLER", "gpumem_gpu_sampler",
-           _choice(("parent", "rank")), "parent", "one of parent, rank",
+    Option("gpu_sampler", _choice(("parent", "rank")), "parent", "one of parent, rank",
            "who samples NVML for GPU figures: the parent pytest (by the ranks' PIDs) or a thread in each rank"),
-    Option("baselines", "--gpumem-baselines", "GPUMEM_BASELINES", "gpumem_baselines",
-           str, "baselines", "a folder path, relative to the rootdir",
+    Option("baselines", str, "baselines", "a folder path, relative to the rootdir",
            "folder of the stored baselines"),
-    Option("missing_baseline", "--gpumem-missing-baseline", "GPUMEM_MISSING_BASELINE",
-           "gpumem_missing_baseline", _choice(("auto", "warn", "fail", "ignore")), "auto",
+    Option("missing_baseline", _choice(("auto", "warn", "fail", "ignore")), "auto",
            "one of auto, warn, fail, ignore",
            "what a test without a baseline does: auto = fail when CI is set, warn otherwise"),
-    Option("lease_dir", "--gpumem-lease-dir", "GPUMEM_LEASE_DIR", "gpumem_lease_dir",
-           str, "", "a folder path (default: a private folder in the system temp dir)",
+    Option("lease_dir", str, "", "a folder path (default: a private folder in the system temp dir)",
            "folder of the GPU lease locks shared by every pytest process on this host",
            shown_default="a private folder in the system temp dir"),
-    Option("lease_wait", "--gpumem-lease-wait", "GPUMEM_LEASE_WAIT", "gpumem_lease_wait",
-           _positive_float, "600", "a number of seconds > 0",
+    Option("lease_wait", _positive_float, "600", "a number of seconds > 0",
            "how long a test waits for busy GPUs before it fails"),
-    Option("torch_snapshot", "--gpumem-torch-snapshot", "GPUMEM_TORCH_SNAPSHOT", "gpumem_torch_snapshot",
-           str, "", "a folder path",
+    Option("torch_snapshot", str, "", "a folder path",
            "record torch CUDA allocator history in each rank and keep the snapshots of failing tests here",
            shown_default="none: no history recorded"),
-    Option("markdown", "--gpumem-markdown", "GPUMEM_MARKDOWN", "gpumem_markdown",
-           str, "", "a file path",
+    Option("markdown", str, "", "a file path",
            "write a Markdown summary for a PR comment (also appended to $GITHUB_STEP_SUMMARY when set)",
            shown_default="none: not written"),
-    Option("plots", "--gpumem-plots", "GPUMEM_PLOTS", "gpumem_plots",
-           str, "", "a folder path", "write a memory-over-time PNG per gpumem test (needs matplotlib)",
+    Option("plots", str, "", "a folder path", "write a memory-over-time PNG per gpumem test (needs matplotlib)",
            shown_default="none: no plots"),
-    Option("benchmark_json", "--gpumem-benchmark-json", "GPUMEM_BENCHMARK_JSON", "gpumem_benchmark_json",
-           str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON",
+    Option("benchmark_json", str, "", "a file path", "write github-action-benchmark's customSmallerIsBetter JSON",
            shown_default="none: not written"),
-    Option("slurm_dir", "--gpumem-slurm-dir", "GPUMEM_SLURM_DIR", "gpumem_slurm_dir",
-           str, "", "a folder path that every node of the allocation sees",
+    Option("slurm_dir", str, "", "a folder path that every node of the allocation sees",
            "launcher=srun: where the ranks write their results",
            shown_default=".gpumem-slurm in $SLURM_SUBMIT_DIR"),
-    Option("srun_args", "--gpumem-srun-args", "GPUMEM_SRUN_ARGS", "gpumem_srun_args",
-           _shell_words, "", 'srun options in one string, e.g. "--gpus-per-task=1 --cpus-per-task=8"',
+    Option("srun_args", _shell_words, "", 'srun options in one string, e.g. "--gpus-per-task=1 --cpus-per-task=8"',
            "launcher=srun: extra srun options for every launch (GPU binding, CPUs per task)",
            shown_default="none"),
-    Option("nnodes", "--gpumem-nnodes", "GPUMEM_NNODES", "gpumem_nnodes",
-           _positive_int_or_zero, "0", "a whole number >= 1 (0: Slurm places the ranks)",
+    Option("nnodes", _positive_int_or_zero, "0", "a whole number >= 1 (0: Slurm places the ranks)",
            "launcher=srun: nodes to spread each launch over (a marker's nnodes wins; never more than nproc)"),
-    Option("report", "--gpumem-report", "GPUMEM_REPORT", "gpumem_report",
-           str, "", "a file path", "write a JSON report of every gpumem test to this file",
+    Option("report", str, "", "a file path", "write a JSON report of every gpumem test to this file",
            shown_default="none: not written"),
-    Option("max_nproc", "--gpumem-max-nproc", "GPUMEM_MAX_NPROC", "gpumem_max_nproc",
-           _max_nproc, "gpus", "an int >= 1, or gpus (the GPUs present)",
+    Option("max_nproc", _max_nproc, "gpus", "an int >= 1, or gpus (the GPUs present)",
            "largest world size launched; larger nproc sizes are predicted from the launched ones",
            shown_default="gpus: the GPUs present where the ranks use GPUs; on host memory, what the host's "
                          "memory can hold (30 MiB a rank)"),
-    Option("predict", "--gpumem-no-predict", "GPUMEM_PREDICT", "gpumem_predict",
-           _bool, "1", "1 or 0 (true/false, on/off)",
+    Option("predict", _bool, "1", "1 or 0 (true/false, on/off)",
            "skip, instead of predict, nproc sizes above the launch cap", const="0",
-           shown_default="predict"),
-    Option("simulate", "--gpumem-simulate", "GPUMEM_SIMULATE", "gpumem_simulate",
-           _choice(SIMULATE), "auto", "one of " + ", ".join(SIMULATE),
+           shown_default="predict", flag="--gpumem-no-predict"),
+    Option("simulate", _choice(SIMULATE), "auto", "one of " + ", ".join(SIMULATE),
            "run sizes as a simulated world (torch): the gated rank (every rank for rank='all') alone with a "
            "stand-in communicator that keeps every tensor's size, so its allocator figure is the real one. "
            "auto: the sizes that need more GPUs than there are; on: every size above 1; off: never (larger "
            "sizes are then predicted or shown as not launched). A marker's simulate wins"),
-    Option("fake_gpu", "--gpumem-fake-gpu", "GPUMEM_FAKE_GPU", "gpumem_fake_gpu",
-           _choice(FAKE_GPU), "auto", "one of " + ", ".join(FAKE_GPU),
+    Option("fake_gpu", _choice(FAKE_GPU), "auto", "one of " + ", ".join(FAKE_GPU),
            "run device='gpu' tests on a fake GPU (torch; docs/fake-gpu.md): the job as written for CUDA, "
            "every CUDA tensor a fake one, the allocator figure counted as on the emulated model, every size "
            "a simulated world. auto: where this machine has no GPU; on: always; off: never. A marker's "
            "fake_gpu wins"),
-    Option("fake_gpu_model", "--gpumem-fake-gpu-model", "GPUMEM_FAKE_GPU_MODEL", "gpumem_fake_gpu_model",
-           str, "NVIDIA H200", "a GPU model built in, or one gpumem calibrate recorded",
+    Option("fake_gpu_model", str, "NVIDIA H200", "a GPU model built in, or one gpumem calibrate recorded",
            "the GPU model a fake GPU emulates (its properties and library workspaces; gpumem calibrate "
            "records another)"),
-    Option("unlaunched", "--gpumem-unlaunched", "GPUMEM_UNLAUNCHED", "gpumem_unlaunched",
-           _choice(("auto", "warn", "fail")), "auto", "one of auto, warn, fail",
+    Option("unlaunched", _choice(("auto", "warn", "fail")), "auto", "one of auto, warn, fail",
            "what a scaling test does when no size above nproc=1 could be gated (too few GPUs, nothing "
            "simulated or predicted): auto = fail when CI is set, warn otherwise"),
-    Option("fast_exit", "--gpumem-fast-exit", FAST_EXIT_ENV, "gpumem_fast_exit",
-           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
+    Option("fast_exit", _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "ranks end without the interpreter's teardown once threads and atexit handlers are done "
-           "(off: the full teardown, 150-500 ms more per rank)", rank_env=True),
-    Option("start", "--gpumem-start", "GPUMEM_START", "gpumem_start",
-           _choice(("auto", "fork", "exec")), "auto", "one of auto, fork, exec",
+           "(off: the full teardown, 150-500 ms more per rank)", rank_env=True, env=FAST_EXIT_ENV),
+    Option("start", _choice(("auto", "fork", "exec")), "auto", "one of auto, fork, exec",
            "how a direct launch starts its ranks. fork: from pytest, which has the test module and its "
            "frameworks imported already (no second interpreter, pytest start-up and collection: ~1.5 s a "
            "rank for a test file importing torch); exec: a fresh interpreter each. auto: fork the ranks of "
            "GPU launches, where the gated figure is GPU memory. Either way a rank is exec'd where a fork "
            "would change it: host allocations tracked, a start-up variable (PYTHON*, LD_*, OpenMP's...) "
            "set for the ranks, CUDA initialised or OneFlow imported in pytest (docs/gpu.md)"),
-    Option("boxing", "--gpumem-boxing", BOXING_ENV, "gpumem_boxing",
-           _bool, "on", "on or off (also 1/0, true/false, yes/no)",
+    Option("boxing", _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "audit OneFlow's SBP conversions (eager and nn.Graph) in each rank and store it with the baseline",
-           rank_env=True),
-    Option("sites", "--gpumem-sites", SITES_ENV, "gpumem_sites",
-           _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",
+           rank_env=True, env=BOXING_ENV),
+    Option("sites", _auto_on_off, "auto", "one of auto, on, off (also 1/0, true/false, yes/no for on/off)",
            "peak sites: where the memory live at each rank's peak was allocated, listed when they grew in a "
            "failure. Host: read from memray's capture. GPU (torch's allocator history, whose first reading "
            "costs up to ~1 s a rank): auto records it when refreshing and relaunches a failing size with it; "
-           "on records it in every launch; off: no sites"),
+           "on records it in every launch; off: no sites", env=SITES_ENV),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -359,19 +331,9 @@ class Settings:
     fake_gpu_model: str = "NVIDIA H200"
 
     def defaults(self, launchers: tuple[str, ...] = LAUNCHERS) -> Defaults:
-        """What a marker leaves out; ``launchers``: the names registered in this session."""
-        return Defaults(
-            launchers=launchers,
-            launcher=self.launcher,
-            timeout=self.timeout,
-            max_ratio=self.max_ratio,
-            allow_mib=self.allow_mib,
-            tolerance=self.tolerance,
-            device=self.device,
-            allocated_tolerance=self.allocated_tolerance,
-            simulate=self.simulate,
-            fake_gpu=self.fake_gpu,
-        )
+        """What a marker leaves out: the settings of the same names; ``launchers``: those registered."""
+        return Defaults(launchers=launchers, **{f.name: getattr(self, f.name) for f in fields(Defaults)
+                                                if f.name != "launchers"})
 
     def make_output_folders(self) -> None:
         """Create where the outputs go, so that a bad path is known before any launch."""

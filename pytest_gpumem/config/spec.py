@@ -9,8 +9,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Callable, Mapping
 
 LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
 LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
@@ -165,47 +165,266 @@ def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
 # Mutation testing (make mutate) covers the tolerance code above; marker validation below is
 # pinned by tests/unit/config/test_spec.py and tests/test_plugin.py, not by mutants.
 # pragma: no mutate start
-@dataclass(frozen=True)
-class Defaults:
-    """Values that the ini file / options supply when the marker leaves them out."""
+Check = Callable[[str, Any, "_Marker"], Any]  # (name, value, the marker's other values) -> the Spec's value
 
-    launcher: str = "direct"
-    timeout: float = 600.0
-    max_ratio: float | None = None
-    allow_mib: float = 0.0
-    tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_TOLERANCE))
-    device: str = "auto"
-    allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
-    simulate: str = "auto"
-    fake_gpu: str = "auto"
-    launchers: tuple[str, ...] = LAUNCHERS  # the names registered in this session (plugins' too)
+
+def _number(name: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{name}={value!r} is not accepted: expected a number")
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise SpecError(f"{name}={value!r} is not accepted: expected a finite number")
+    if positive and (number < 0 or (number == 0 and not allow_zero)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise SpecError(f"{name}={value!r} is not accepted: expected a number {bound}")
+    return number
+
+
+def _positive(name: str, value: Any, marker: _Marker) -> float:
+    return _number(name, value, positive=True)
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(name: str, value: Any, marker: _Marker) -> str:
+        if value not in choices:
+            raise SpecError(f"{name}={value!r} is not accepted: expected one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _nproc(name: str, value: Any, marker: _Marker) -> tuple[int, ...]:
+    accepted = f"an int or a list of ints from 1 to {MAX_NPROC}"
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= MAX_NPROC:
+            raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
+    if len(set(items)) != len(items):
+        raise SpecError(f"nproc={value!r} is not accepted: the sizes must be distinct")
+    return tuple(sorted(items))
+
+
+def _max_ratio(name: str, value: Any, marker: _Marker) -> Ratio | None:
+    """A number, or a dict with a cap for each listed size above the reference and for no other."""
+    if value is None:
+        return None
+    nproc, reference = marker["nproc"], marker["reference"]
+    if not isinstance(value, Mapping):
+        if isinstance(value, (list, tuple, set, str)):
+            raise SpecError(f"max_ratio={value!r} is not accepted: expected a number > 0, or a dict from "
+                            "nproc to a number > 0, e.g. {2: 0.8, 8: 0.6}")
+        return Ratio(flat=_number("max_ratio", value, positive=True))
+    above = [n for n in nproc if n > reference]
+    wanted = ", ".join(map(str, above))
+    for key, cap in value.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key not in above:
+            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: its keys are the listed sizes above the "
+                            f"reference nproc={reference} ({wanted}), and {key!r} is not one of them")
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: the cap for nproc={key} is {cap!r}, "
+                            "expected a number > 0")
+    missing = [n for n in above if n not in value]
+    if missing:
+        raise SpecError(f"max_ratio={dict(value)!r} is not accepted: it has no cap for nproc="
+                        f"{', '.join(map(str, missing))}; give one for each listed size above the reference "
+                        f"nproc={reference} ({wanted}), or drop that size from nproc")
+    return Ratio(sizes=tuple(sorted((n, float(cap)) for n, cap in value.items())))
+
+
+def _reference(name: str, value: Any, marker: _Marker) -> int:
+    """The size the ratio is taken against: 1 (launched when unlisted), or a listed size below the largest."""
+    if value is None:
+        return 1
+    nproc = marker["nproc"]
+    listed = ", ".join(map(str, nproc))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"reference={value!r} is not accepted: expected 1 or one of the listed sizes ({listed})")
+    if marker.value("max_ratio") is None:
+        raise SpecError(f"reference={value!r} is not accepted without max_ratio: the reference is the size the "
+                        "ratio is taken against; set max_ratio (or gpumem_max_ratio), or leave reference out")
+    if value != 1 and value not in nproc:
+        raise SpecError(f"reference={value!r} is not accepted: it is not among nproc=[{listed}]; a reference "
+                        f"above 1 is launched as one of the listed sizes, so list it or take one of {listed}")
+    if value >= max(nproc):
+        raise SpecError(f"reference={value!r} is not accepted: the ratio gates the sizes above its reference, "
+                        f"and nproc=[{listed}] has none above {value}; take a smaller one")
+    return value
+
+
+def _allow_mib(name: str, value: Any, marker: _Marker) -> float:
+    return _number(name, value, positive=True, allow_zero=True)
+
+
+def _rank(name: str, rank: Any, marker: _Marker) -> int | str:
+    if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise SpecError(f"rank={rank!r} is not accepted: expected an int >= 0 or 'all'")
+    nproc, reference = marker["nproc"], marker["reference"]
+    if isinstance(rank, int) and rank >= min(nproc):
+        raise SpecError(
+            f"rank={rank!r} is not accepted: the smallest world size launched is {min(nproc)}, "
+            f"so rank must be below it (or 'all')"
+        )
+    if isinstance(rank, int) and marker["max_ratio"] is not None and rank >= reference:
+        raise SpecError(
+            f"rank={rank!r} is not accepted with max_ratio: the ratio's reference is nproc={reference}, "
+            f"which has no rank {rank}; name a listed size as the reference (reference={min(nproc)}) "
+            "or gate a lower rank"
+        )
+    return rank
+
+
+def _launcher(name: str, value: Any, marker: _Marker) -> str:
+    return _one_of(marker.defaults.launchers)(name, value, marker)
+
+
+def _tolerance(name: str, value: Any, marker: _Marker) -> Tolerance:
+    return parse_tolerance(value, name)
+
+
+def _env(name: str, value: Any, marker: _Marker) -> tuple[tuple[str, str], ...]:
+    env = value or {}
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SpecError(f"env={env!r} is not accepted: expected a dict of str to str")
+    return tuple(sorted(env.items()))
+
+
+def _program(name: str, value: Any, marker: _Marker) -> str | None:
+    """``script`` or ``module``: at most one of them."""
+    if name == "script" and value is not None and marker.value("module") is not None:
+        raise SpecError("script and module are both given: expected at most one of them")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise SpecError(f"{name}={value!r} is not accepted: expected a non-empty string")
+    return value
+
+
+def _args(name: str, value: Any, marker: _Marker) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
+        raise SpecError(f"args={value!r} is not accepted: expected a list of strings")
+    if value and marker["script"] is None and marker["module"] is None:
+        raise SpecError("args is given without script or module: args are passed to that program")
+    return tuple(value)
+
+
+def _config(name: str, value: Any, marker: _Marker) -> tuple[tuple[str, str], ...]:
+    config = value or {}
+    if not isinstance(config, Mapping) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in config.items()
+    ):
+        raise SpecError(f"config={config!r} is not accepted: expected a dict of str to str, number, bool or None")
+    return tuple(sorted((k, str(v)) for k, v in config.items()))
+
+
+def _nnodes(name: str, nnodes: Any, marker: _Marker) -> int | None:
+    if nnodes is not None:
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NPROC:
+            raise SpecError(f"nnodes={nnodes!r} is not accepted: expected an int from 1 to {MAX_NPROC}")
+        if (launcher := marker["launcher"]) != "srun":
+            raise SpecError(f"nnodes={nnodes!r} is not accepted with launcher={launcher!r}: "
+                            "nodes are for launcher='srun' (the other launchers start every rank on this host)")
+    return nnodes
+
+
+def _figures(name: str, value: Any, marker: _Marker) -> tuple[tuple[str, str], ...]:
+    figures = value or {}
+    if not isinstance(figures, Mapping) or not all(k in LIMITS and v in FIGURES for k, v in figures.items()):
+        raise SpecError(f"figures={figures!r} is not accepted: expected a dict from {', '.join(LIMITS)} "
+                        f"to {' or '.join(repr(f) for f in FIGURES)}, e.g. {{'max_ratio': 'device'}}")
+    return tuple(sorted({**dict(DEFAULT_FIGURES), **dict(figures)}.items()))
+
+
+def _assume(name: str, assume: Any, marker: _Marker) -> str | None:
+    if assume is not None and assume not in ASSUME:
+        raise SpecError(f"assume={assume!r} is not accepted: expected None or "
+                        + ", ".join(repr(a) for a in ASSUME))
+    return assume
+
+
+def _fake_gpu(name: str, value: Any, marker: _Marker) -> str:
+    fake_gpu = _one_of(FAKE_GPU)(name, value, marker)
+    if fake_gpu == "on" and (device := marker["device"]) != "gpu":
+        raise SpecError(f"fake_gpu='on' is not accepted with device={device!r}: a fake GPU stands in for "
+                        "GPU memory, so it needs device='gpu'")
+    return fake_gpu
+
+
+def _argument(value: Any, accepted: str, meaning: str, check: Check, *, session: bool = False,
+              shown: str | None = None) -> Any:
+    """A field of :class:`Spec` that is a marker argument (see :class:`MarkerArgument`)."""
+    return field(metadata={"argument": (value, accepted, meaning, check, session, shown)})
 
 
 @dataclass(frozen=True)
 class Spec:
-    """What one ``gpumem`` marker asks for, fully resolved against the defaults."""
+    """What one ``gpumem`` marker asks for, fully resolved against the defaults. Each field is one
+    marker argument, declared once: its type, default, help text and check."""
 
-    nproc: tuple[int, ...]
-    max_mib: float | None
-    max_ratio: Ratio | None
-    allow_mib: float
-    rank: int | str
-    device: str
-    launcher: str
-    timeout: float
-    tolerance: Tolerance
-    env: tuple[tuple[str, str], ...] = ()
-    script: str | None = None
-    module: str | None = None
-    args: tuple[str, ...] = ()
-    config: tuple[tuple[str, str], ...] = ()
-    nnodes: int | None = None  # launcher="srun": nodes to spread the ranks over (None: Slurm decides)
-    figures: tuple[tuple[str, str], ...] = DEFAULT_FIGURES  # limit -> figure it reads on a GPU
-    allocated_tolerance: Tolerance = field(default_factory=lambda: parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE))
-    simulate: str = "auto"
-    fake_gpu: str = "auto"
-    reference: int = 1  # the world size max_ratio is taken against: 1, or a listed size the job can run at
-    assume: str | None = None  # a simulated rank's received values (ASSUME): None stops a rank that reads them
+    nproc: tuple[int, ...] = _argument(1, f"an int or a list of distinct ints from 1 to {MAX_NPROC}",
+                                       "the world sizes to launch", _nproc)
+    max_mib: float | None = _argument(
+        None, "a number > 0", "cap on the gated rank's peak, in MiB, at every launched size",
+        lambda name, value, marker: None if value is None else _positive(name, value, marker))
+    max_ratio: Ratio | None = _argument(
+        None, "a number > 0, a dict from each listed nproc above the reference to a number > 0, or None (no ratio "
+        "check)", "cap on peak(N) / peak(reference) of the gated rank at each listed N above the reference: one "
+        "number for memory that should stay flat (data parallel), one per size for memory that should shrink with "
+        "N (FSDP, ZeRO: e.g. {2: 0.8, 8: 0.6}); an nproc=1 reference is launched when the list lacks it (the report "
+        "says so), and reused by later tests with the same launch parameters", _max_ratio, session=True)
+    # the world size max_ratio is taken against: 1, or a listed size the job can run at
+    reference: int = _argument(
+        None, "1, or a listed nproc below the largest one", "the world size the ratio is taken against: a job that "
+        "cannot run at one rank (tensor, pipeline, expert parallel) names its smallest size, e.g. nproc=[2, 8], "
+        "reference=2", _reference, shown="1")
+    allow_mib: float = _argument(
+        0.0, "a number >= 0", "MiB allowed on top of the ratio for buffers that exist only when N > 1: the gate is "
+        "peak(N) <= max_ratio * peak(reference) + allow_mib", _allow_mib, session=True)
+    rank: int | str = _argument(0, "an int below the smallest nproc, or 'all'", "the rank that gates; 'all': the "
+                                "largest rank, each rank held to its own baseline", _rank)
+    device: str = _argument("auto", "one of " + ", ".join(DEVICES), "the memory that is gated: auto means GPU memory "
+                            "where the ranks use a GPU, host memory otherwise", _one_of(DEVICES), session=True)
+    launcher: str = _argument(
+        "direct", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds", "how the ranks start: direct (the "
+        "plugin spawns them), python -m oneflow.distributed.launch, torchrun, one Slurm job step, or a launcher a "
+        "plugin registers (pytest_gpumem_launchers)", _launcher, session=True)
+    timeout: float = _argument(600.0, "a number of seconds > 0", "seconds for the whole launch", _positive,
+                               session=True)
+    tolerance: Tolerance = _argument(parse_tolerance(DEFAULT_TOLERANCE), TOLERANCE_ACCEPTED,
+                                     "drift allowed above the stored baseline", _tolerance, session=True)
+    env: tuple[tuple[str, str], ...] = _argument(None, "a dict of str to str",
+                                                 "extra environment for the ranks, applied last", _env)
+    script: str | None = _argument(None, "a path relative to the rootdir",
+                                   "launch this program instead of the test body", _program)
+    module: str | None = _argument(None, "a module name", "launch python -m MODULE instead of the test body",
+                                   _program)
+    args: tuple[str, ...] = _argument((), "a list of strings", "the arguments of script or module", _args)
+    config: tuple[tuple[str, str], ...] = _argument(
+        None, "a dict of str to str, number, bool or None", "settings that move memory: stored with the baseline, "
+        "and a changed value is listed first when the test fails", _config)
+    nnodes: int | None = _argument(None, f"an int from 1 to {MAX_NPROC}, at most nproc", "launcher='srun' only: "
+                                   "nodes to spread the ranks over; None lets Slurm place them", _nnodes)
+    figures: tuple[tuple[str, str], ...] = _argument(  # limit -> the figure it reads on a GPU
+        None, f"a dict from {', '.join(LIMITS)} to 'device' or 'allocated'", "on a GPU, the figure each limit "
+        "reads: device is what nvidia-smi shows, allocated is torch's max_memory_allocated; by default "
+        + ", ".join(f"{limit} reads {figure}" for limit, figure in DEFAULT_FIGURES), _figures)
+    allocated_tolerance: Tolerance = _argument(
+        parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE), TOLERANCE_ACCEPTED,
+        "drift allowed above the baseline's allocator figure", _tolerance, session=True)
+    simulate: str = _argument(
+        "auto", "one of " + ", ".join(SIMULATE), "sizes above nproc=1 as a simulated world (torch): the gated rank, "
+        "or every rank for rank='all' (on GPUs as many at a time as there are GPUs), runs alone with a stand-in "
+        "communicator; auto simulates only the sizes that need more GPUs than there are, on simulates every size "
+        "above 1, off never", _one_of(SIMULATE), session=True)
+    assume: str | None = _argument(
+        None, "None or " + ", ".join(repr(a) for a in ASSUME), "what a simulated rank takes the values other ranks "
+        "send to be, where the job reads them (token counts of expert routing, a received size): None stops the "
+        "rank naming the read; 'alike' takes every rank as sending what this rank sends (a balanced router's token "
+        "counts; a skewed router shows at its favourite expert's rank), and the report says the figure rests on it",
+        _assume)
+    fake_gpu: str = _argument(
+        "auto", "one of " + ", ".join(FAKE_GPU), "device='gpu' tests on a fake GPU (torch): the job unchanged, every "
+        "CUDA tensor a fake one, its allocator figure counted as on the emulated GPU model; auto where this machine "
+        "has no GPU, on always, off never (a test with no GPU is then skipped)", _fake_gpu, session=True)
 
     def figure(self, limit: str) -> str:
         """The GPU figure ``limit`` (max_mib, max_ratio, baseline) reads: "device" or "allocated"."""
@@ -231,76 +450,32 @@ class Spec:
 
 @dataclass(frozen=True)
 class MarkerArgument:
-    """One argument of the ``gpumem`` marker, declared once: the parser accepts these names, the
-    marker's help text and the docs' reference are written from this table."""
+    """One argument of the ``gpumem`` marker, as its field of :class:`Spec` declares it: the parser
+    accepts these names, the marker's help text and the docs' reference are written from them."""
 
     name: str
-    default: str  # as the help text shows it; an ini key in brackets where the session supplies it
+    value: Any  # where the marker leaves it out, unless ``session``: then the setting of the same name
     accepted: str
     meaning: str
+    check: Check  # refuses a bad value, naming the argument and what is accepted; returns the Spec's value
+    session: bool = False
+    shown: str | None = None  # the default as the help text shows it, where not ``value``
+
+    @property
+    def default(self) -> str:
+        """As the help text shows it; the ini key in brackets where the session supplies it."""
+        return f"[gpumem_{self.name}]" if self.session else self.shown or str(self.value)
 
 
-MARKER_ARGUMENTS: tuple[MarkerArgument, ...] = (
-    MarkerArgument("nproc", "1", f"an int or a list of distinct ints from 1 to {MAX_NPROC}",
-                   "the world sizes to launch"),
-    MarkerArgument("max_mib", "None", "a number > 0", "cap on the gated rank's peak, in MiB, at every launched size"),
-    MarkerArgument("max_ratio", "[gpumem_max_ratio]",
-                   "a number > 0, a dict from each listed nproc above the reference to a number > 0, "
-                   "or None (no ratio check)",
-                   "cap on peak(N) / peak(reference) of the gated rank at each listed N above the reference: "
-                   "one number for memory that should stay flat (data parallel), one per size for memory "
-                   "that should shrink with N (FSDP, ZeRO: e.g. {2: 0.8, 8: 0.6}); an nproc=1 reference is "
-                   "launched when the list lacks it (the report says so), and reused by later tests with the "
-                   "same launch parameters"),
-    MarkerArgument("reference", "1", "1, or a listed nproc below the largest one",
-                   "the world size the ratio is taken against: a job that cannot run at one rank (tensor, "
-                   "pipeline, expert parallel) names its smallest size, e.g. nproc=[2, 8], reference=2"),
-    MarkerArgument("allow_mib", "[gpumem_allow_mib]", "a number >= 0",
-                   "MiB allowed on top of the ratio for buffers that exist only when N > 1: the gate is "
-                   "peak(N) <= max_ratio * peak(reference) + allow_mib"),
-    MarkerArgument("rank", "0", "an int below the smallest nproc, or 'all'",
-                   "the rank that gates; 'all': the largest rank, each rank held to its own baseline"),
-    MarkerArgument("device", "[gpumem_device]", "one of " + ", ".join(DEVICES),
-                   "the memory that is gated: auto means GPU memory where the ranks use a GPU, host memory otherwise"),
-    MarkerArgument("launcher", "[gpumem_launcher]", "one of " + ", ".join(LAUNCHERS) + ", or one a plugin adds",
-                   "how the ranks start: direct (the plugin spawns them), python -m oneflow.distributed.launch, "
-                   "torchrun, one Slurm job step, or a launcher a plugin registers (pytest_gpumem_launchers)"),
-    MarkerArgument("timeout", "[gpumem_timeout]", "a number of seconds > 0", "seconds for the whole launch"),
-    MarkerArgument("tolerance", "[gpumem_tolerance]", TOLERANCE_ACCEPTED,
-                   "drift allowed above the stored baseline"),
-    MarkerArgument("env", "None", "a dict of str to str", "extra environment for the ranks, applied last"),
-    MarkerArgument("script", "None", "a path relative to the rootdir",
-                   "launch this program instead of the test body"),
-    MarkerArgument("module", "None", "a module name", "launch python -m MODULE instead of the test body"),
-    MarkerArgument("args", "()", "a list of strings", "the arguments of script or module"),
-    MarkerArgument("config", "None", "a dict of str to str, number, bool or None",
-                   "settings that move memory: stored with the baseline, and a changed value is listed "
-                   "first when the test fails"),
-    MarkerArgument("nnodes", "None", f"an int from 1 to {MAX_NPROC}, at most nproc",
-                   "launcher='srun' only: nodes to spread the ranks over; None lets Slurm place them"),
-    MarkerArgument("figures", "None", f"a dict from {', '.join(LIMITS)} to 'device' or 'allocated'",
-                   "on a GPU, the figure each limit reads: device is what nvidia-smi shows, allocated is "
-                   "torch's max_memory_allocated; by default "
-                   + ", ".join(f"{limit} reads {figure}" for limit, figure in DEFAULT_FIGURES)),
-    MarkerArgument("allocated_tolerance", "[gpumem_allocated_tolerance]", TOLERANCE_ACCEPTED,
-                   "drift allowed above the baseline's allocator figure"),
-    MarkerArgument("simulate", "[gpumem_simulate]", "one of " + ", ".join(SIMULATE),
-                   "sizes above nproc=1 as a simulated world (torch): the gated rank, or every rank for "
-                   "rank='all' (on GPUs as many at a time as there are GPUs), runs alone with a stand-in "
-                   "communicator; auto simulates only the sizes that "
-                   "need more GPUs than there are, on simulates every size above 1, off never"),
-    MarkerArgument("assume", "None", "None or " + ", ".join(repr(a) for a in ASSUME),
-                   "what a simulated rank takes the values other ranks send to be, where the job reads them "
-                   "(token counts of expert routing, a received size): None stops the rank naming the read; "
-                   "'alike' takes every rank as sending what this rank sends (a balanced router's token "
-                   "counts; a skewed router shows at its favourite expert's rank), and the report says the "
-                   "figure rests on it"),
-    MarkerArgument("fake_gpu", "[gpumem_fake_gpu]", "one of " + ", ".join(FAKE_GPU),
-                   "device='gpu' tests on a fake GPU (torch): the job unchanged, every CUDA tensor a fake "
-                   "one, its allocator figure counted as on the emulated GPU model; auto where this machine "
-                   "has no GPU, on always, off never (a test with no GPU is then skipped)"),
-)
-_ARGS = tuple(argument.name for argument in MARKER_ARGUMENTS)
+MARKER_ARGUMENTS = tuple(MarkerArgument(f.name, *f.metadata["argument"]) for f in fields(Spec))
+_ARGUMENT = {argument.name: argument for argument in MARKER_ARGUMENTS}
+
+
+class Defaults(make_dataclass(  # type: ignore[misc]
+        "Defaults", [(a.name, Any, field(default=a.value)) for a in MARKER_ARGUMENTS if a.session]
+        + [("launchers", tuple[str, ...], field(default=LAUNCHERS))], frozen=True)):
+    """What the session supplies where a marker leaves an argument out: its settings of the same names
+    (the arguments declared with ``session``), and the launcher names registered in it."""
 
 
 def marker_signature() -> str:
@@ -308,32 +483,24 @@ def marker_signature() -> str:
     return "gpumem(" + ", ".join(f"{a.name}={a.default}" for a in MARKER_ARGUMENTS) + ")"
 
 
-_UNSET = object()
+class _Marker:
+    """One marker's arguments while they are checked: each one's value (the marker's, else the
+    session's or its own default) is checked once, when first asked for, so that a check may read another."""
 
+    def __init__(self, given: Mapping[str, Any], defaults: Defaults) -> None:
+        self.given, self.defaults, self._checked = given, defaults, dict[str, Any]()
 
-def _number(name: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(f"{name}={value!r} is not accepted: expected a number")
-    number = float(value)
-    if math.isnan(number) or math.isinf(number):
-        raise SpecError(f"{name}={value!r} is not accepted: expected a finite number")
-    if positive and (number < 0 or (number == 0 and not allow_zero)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise SpecError(f"{name}={value!r} is not accepted: expected a number {bound}")
-    return number
+    def value(self, name: str) -> Any:
+        """The value before its check."""
+        argument = _ARGUMENT[name]
+        if name in self.given:
+            return self.given[name]
+        return getattr(self.defaults, name) if argument.session else argument.value
 
-
-def _nproc(value: Any) -> tuple[int, ...]:
-    accepted = f"an int or a list of ints from 1 to {MAX_NPROC}"
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not items:
-        raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= MAX_NPROC:
-            raise SpecError(f"nproc={value!r} is not accepted: expected {accepted}")
-    if len(set(items)) != len(items):
-        raise SpecError(f"nproc={value!r} is not accepted: the sizes must be distinct")
-    return tuple(sorted(items))
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._checked:
+            self._checked[name] = _ARGUMENT[name].check(name, self.value(name), self)
+        return self._checked[name]
 
 
 def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Defaults) -> Spec:
@@ -345,171 +512,11 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any], defaults: Def
         if "nproc" in kw:
             raise SpecError("nproc is given both positionally and by name")
         kw["nproc"] = args[0]
-    unknown = sorted(set(kw) - set(_ARGS))
+    unknown = sorted(set(kw) - set(_ARGUMENT))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(_ARGS), n=1)
+        close = difflib.get_close_matches(unknown[0], list(_ARGUMENT), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise SpecError(f"unknown argument {unknown[0]!r}: {hint}accepted are {', '.join(_ARGS)}")
-
-    nproc = _nproc(kw.get("nproc", 1))
-    max_mib = kw.get("max_mib")
-    if max_mib is not None:
-        max_mib = _number("max_mib", max_mib, positive=True)
-    ratio = kw.get("max_ratio", _UNSET)
-    raw_ratio = defaults.max_ratio if ratio is _UNSET else ratio
-    allow = kw.get("allow_mib", defaults.allow_mib)
-    allow_mib = _number("allow_mib", allow, positive=True, allow_zero=True)
-
-    reference = _reference(kw.get("reference"), nproc, raw_ratio)
-    max_ratio = None if raw_ratio is None else _ratio(raw_ratio, nproc, reference)
-    rank = kw.get("rank", 0)
-    if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise SpecError(f"rank={rank!r} is not accepted: expected an int >= 0 or 'all'")
-    if isinstance(rank, int) and rank >= min(nproc):
-        raise SpecError(
-            f"rank={rank!r} is not accepted: the smallest world size launched is {min(nproc)}, "
-            f"so rank must be below it (or 'all')"
-        )
-    if isinstance(rank, int) and max_ratio is not None and rank >= reference:
-        raise SpecError(
-            f"rank={rank!r} is not accepted with max_ratio: the ratio's reference is nproc={reference}, "
-            f"which has no rank {rank}; name a listed size as the reference (reference={min(nproc)}) "
-            "or gate a lower rank"
-        )
-
-    device = kw.get("device", defaults.device)
-    if device not in DEVICES:
-        raise SpecError(f"device={device!r} is not accepted: expected one of {', '.join(DEVICES)}")
-    launcher = kw.get("launcher", defaults.launcher)
-    if launcher not in defaults.launchers:
-        raise SpecError(f"launcher={launcher!r} is not accepted: expected one of {', '.join(defaults.launchers)}")
-    timeout = _number("timeout", kw.get("timeout", defaults.timeout), positive=True)
-    tolerance = (
-        parse_tolerance(kw["tolerance"]) if "tolerance" in kw else defaults.tolerance
-    )
-
-    env = kw.get("env") or {}
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise SpecError(f"env={env!r} is not accepted: expected a dict of str to str")
-
-    script, module = kw.get("script"), kw.get("module")
-    if script is not None and module is not None:
-        raise SpecError("script and module are both given: expected at most one of them")
-    for name, value in (("script", script), ("module", module)):
-        if value is not None and (not isinstance(value, str) or not value):
-            raise SpecError(f"{name}={value!r} is not accepted: expected a non-empty string")
-    raw_args = kw.get("args", ())
-    if isinstance(raw_args, str) or not isinstance(raw_args, (list, tuple)) or not all(
-        isinstance(a, str) for a in raw_args
-    ):
-        raise SpecError(f"args={raw_args!r} is not accepted: expected a list of strings")
-    if raw_args and script is None and module is None:
-        raise SpecError("args is given without script or module: args are passed to that program")
-
-    config = kw.get("config") or {}
-    if not isinstance(config, Mapping) or not all(
-        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in config.items()
-    ):
-        raise SpecError(f"config={config!r} is not accepted: expected a dict of str to str, number, bool or None")
-
-    nnodes = kw.get("nnodes")
-    if nnodes is not None:
-        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NPROC:
-            raise SpecError(f"nnodes={nnodes!r} is not accepted: expected an int from 1 to {MAX_NPROC}")
-        if launcher != "srun":
-            raise SpecError(f"nnodes={nnodes!r} is not accepted with launcher={launcher!r}: "
-                            "nodes are for launcher='srun' (the other launchers start every rank on this host)")
-
-    figures = kw.get("figures") or {}
-    if not isinstance(figures, Mapping) or not all(
-        k in LIMITS and v in FIGURES for k, v in figures.items()
-    ):
-        raise SpecError(f"figures={figures!r} is not accepted: expected a dict from {', '.join(LIMITS)} "
-                        f"to {' or '.join(repr(f) for f in FIGURES)}, e.g. {{'max_ratio': 'device'}}")
-    allocated_tolerance = (parse_tolerance(kw["allocated_tolerance"], "allocated_tolerance")
-                           if "allocated_tolerance" in kw else defaults.allocated_tolerance)
-    simulate = kw.get("simulate", defaults.simulate)
-    if simulate not in SIMULATE:
-        raise SpecError(f"simulate={simulate!r} is not accepted: expected one of {', '.join(SIMULATE)}")
-
-    assume = kw.get("assume")
-    if assume is not None and assume not in ASSUME:
-        raise SpecError(f"assume={assume!r} is not accepted: expected None or "
-                        + ", ".join(repr(a) for a in ASSUME))
-
-    fake_gpu = kw.get("fake_gpu", defaults.fake_gpu)
-    if fake_gpu not in FAKE_GPU:
-        raise SpecError(f"fake_gpu={fake_gpu!r} is not accepted: expected one of {', '.join(FAKE_GPU)}")
-    if fake_gpu == "on" and device != "gpu":
-        raise SpecError(f"fake_gpu='on' is not accepted with device={device!r}: a fake GPU stands in for "
-                        "GPU memory, so it needs device='gpu'")
-
-    return Spec(
-        nproc=nproc,
-        max_mib=max_mib,
-        max_ratio=max_ratio,
-        allow_mib=allow_mib,
-        rank=rank,
-        device=device,
-        launcher=launcher,
-        timeout=timeout,
-        tolerance=tolerance,
-        env=tuple(sorted(env.items())),
-        script=script,
-        module=module,
-        args=tuple(raw_args),
-        config=tuple(sorted((k, str(v)) for k, v in config.items())),
-        nnodes=nnodes,
-        figures=tuple(sorted({**dict(DEFAULT_FIGURES), **dict(figures)}.items())),
-        allocated_tolerance=allocated_tolerance,
-        simulate=simulate,
-        fake_gpu=fake_gpu,
-        reference=reference,
-        assume=assume,
-    )
-
-
-def _ratio(value: Any, nproc: tuple[int, ...], reference: int) -> Ratio:
-    """A number, or a dict with a cap for each listed size above the reference and for no other."""
-    if not isinstance(value, Mapping):
-        if isinstance(value, (list, tuple, set, str)):
-            raise SpecError(f"max_ratio={value!r} is not accepted: expected a number > 0, or a dict from "
-                            "nproc to a number > 0, e.g. {2: 0.8, 8: 0.6}")
-        return Ratio(flat=_number("max_ratio", value, positive=True))
-    above = [n for n in nproc if n > reference]
-    wanted = ", ".join(map(str, above))
-    for key, cap in value.items():
-        if isinstance(key, bool) or not isinstance(key, int) or key not in above:
-            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: its keys are the listed sizes above the "
-                            f"reference nproc={reference} ({wanted}), and {key!r} is not one of them")
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
-            raise SpecError(f"max_ratio={dict(value)!r} is not accepted: the cap for nproc={key} is {cap!r}, "
-                            "expected a number > 0")
-    missing = [n for n in above if n not in value]
-    if missing:
-        raise SpecError(f"max_ratio={dict(value)!r} is not accepted: it has no cap for nproc="
-                        f"{', '.join(map(str, missing))}; give one for each listed size above the reference "
-                        f"nproc={reference} ({wanted}), or drop that size from nproc")
-    return Ratio(sizes=tuple(sorted((n, float(cap)) for n, cap in value.items())))
-
-
-def _reference(value: Any, nproc: tuple[int, ...], max_ratio: Any) -> int:
-    """The size the ratio is taken against: 1 (launched when unlisted), or a listed size below the largest."""
-    if value is None:
-        return 1
-    listed = ", ".join(map(str, nproc))
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"reference={value!r} is not accepted: expected 1 or one of the listed sizes ({listed})")
-    if max_ratio is None:
-        raise SpecError(f"reference={value!r} is not accepted without max_ratio: the reference is the size the "
-                        "ratio is taken against; set max_ratio (or gpumem_max_ratio), or leave reference out")
-    if value != 1 and value not in nproc:
-        raise SpecError(f"reference={value!r} is not accepted: it is not among nproc=[{listed}]; a reference "
-                        f"above 1 is launched as one of the listed sizes, so list it or take one of {listed}")
-    if value >= max(nproc):
-        raise SpecError(f"reference={value!r} is not accepted: the ratio gates the sizes above its reference, "
-                        f"and nproc=[{listed}] has none above {value}; take a smaller one")
-    return value
+        raise SpecError(f"unknown argument {unknown[0]!r}: {hint}accepted are {', '.join(_ARGUMENT)}")
+    marker = _Marker(kw, defaults)
+    return Spec(**{name: marker[name] for name in _ARGUMENT})
 # pragma: no mutate end

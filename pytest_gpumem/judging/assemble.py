@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ..measurement.size import SizeResult
+from ..measurement.size import GatedReading
 from .explain import imbalance, peak_times
 from .growth import Growth
 from .record import (
@@ -40,22 +40,23 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
             CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, check.text(digits),
                         check.figure, check.advisory, check.own))
     sizes = []
+    readings = verdict.readings if verdict is not None else test.readings
     for result in test.results:
         n = result.world_size
-        label, gated = result.gated(spec.rank)
+        reading = readings[n]
         sizes.append(SizeRecord(
             measured=result,
-            gated_rank=result.gated_rank(spec.rank),
-            gated_label=label,
-            gated_mib=gated,
+            gated_rank=reading.rank,
+            gated_label=reading.label,
+            gated_mib=reading.mib,
             checks=tuple(checks.get(n, ())),
             ratio=verdict.ratio(n) if verdict is not None else None,
-            ratio_figure=_ratio_figure(test.results, result, spec) if verdict is not None else "",
+            ratio_figure=_ratio_figure(readings, n, spec) if verdict is not None else "",
             baseline_mib=(baselines or {}).get(n),
-            others_max_mib=result.others_max(spec.rank),
+            others_max_mib=reading.others_mib,
             peak_at_s={r: round(t, 3) for r, t in sorted(peak_times(result).items())},
             imbalance=imbalance(result),
-            allocated_mib=_allocated_reading(result, spec),
+            allocated_mib=_allocated_reading(reading),
             allocated_baseline_mib=(allocated_baselines or {}).get(n),
         ))
     if messages is None:
@@ -82,14 +83,12 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
     )
 
 
-def _ratio_figure(results: Sequence[SizeResult], result: SizeResult, spec: Spec) -> str:
-    one = next((r for r in results if r.world_size == spec.reference), None)
-    if one is None or result.world_size <= spec.reference:
-        return ""
-    return ratio_figures(spec, one, result)[2]
+def _ratio_figure(readings: Mapping[int, GatedReading], world_size: int, spec: Spec) -> str:
+    one = readings.get(spec.reference)
+    return ratio_figures(spec, one, readings[world_size])[2] if one and world_size > spec.reference else ""
 
 
-def _allocated_reading(result: SizeResult, spec: Spec) -> float | None:
+def _allocated_reading(reading: GatedReading) -> float | None:
     """The gated rank's allocator figure, as an allocated limit reads it (None: there is none)."""
-    _, mib, figure = result.read(spec.rank, "allocated")
+    _, mib, figure = reading.allocated
     return round(mib, 2) if figure == "allocated" and mib is not None else None

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from ..launching.runs import TestRun
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
 from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX
+from . import audit
+from .baseline import Entry
+from .growth import Growth, sites_size
 from .verdict import DIGITS, Verdict, mib
 
 BOXING_PREFIX = "boxing."  # shown on their own, with the tensors involved (boxing.explain)
@@ -102,3 +106,57 @@ def higher_rank(verdict: Verdict, rank: int | str) -> list[str]:
                          f"nproc={result.world_size} ({mib(top, verdict.digits)} MiB): "
                          f'gate it with rank={top_rank} or rank="all"')
     return lines
+
+
+def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],
+                    grown: Growth | None = None) -> str:
+    """The failed limits; the peak sites that grew (the line that holds the memory); the verdict;
+    what differs from the baseline's provenance (the machine first); when each rank peaked; the
+    new nn.Graph boxing; where the torch snapshots are."""
+    sites: list[str] = []
+    if grown is not None and (grown.grown or grown.summary()):
+        size = sites_size(verdict, {r.world_size: r for r in test.results if not r.predicted})
+        if grown.of:  # rank="all": the rank that grew most over its own baseline
+            sites.append(f"  peak sites of {grown.of} at nproc={size} that grew since its baseline:")
+        elif test.spec.rank == "all":  # the largest rank, which may not be the reference's
+            label = next((c.rank_label for c in verdict.failures if c.world_size == size), "the largest rank")
+            sites.append(f"  peak sites of {label} at nproc={size} that grew since {grown.against}:")
+        else:
+            sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):")
+        sites.extend(f"    {line}" for line in grown.lines())
+    changed = changed or (hardware_change(next(iter(stored.values())), test.provenance) if stored else [])
+    lead: list[str] = []  # what changed, right under the headline: often the whole answer
+    if changed:
+        lead.append(f"  changed since the baseline: {changed[0]}")
+        lead.extend(f"    {line}" for line in changed[1:])
+        if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed):
+            lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
+                        "compare the floor; if the job's own part did not move, refresh the baseline here)")
+    failing = {check.world_size for check in verdict.failures}
+    lines = [verdict.render(lead + audit.eager_section(test, failing, stored) + higher_rank(verdict, test.spec.rank)
+                            + sites)]
+    lines.append("  per-rank peaks over the run:")
+    lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
+    lines.extend(audit.graph_section(test, verdict, stored))
+    snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
+                 if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
+    if snapshots:
+        lines.append("  torch memory snapshots (pytorch.org/memory_viz):")
+        lines.extend(snapshots)
+    if any(check.kind == "baseline" for check in verdict.failures):
+        lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
+                     "commit the baseline file with the change")
+    return "\n".join(lines)
+
+
+_MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved
+
+
+def hardware_change(entry: Entry, provenance: dict[str, str]) -> list[str]:
+    """``cpu_model AMD EPYC -> Intel Xeon`` lines for the machine facts that differ from the
+    baseline's: listed first, since a figure compared across machines moves with them."""
+    old = entry.provenance
+    return [f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in _MACHINE_KEYS
+            if key in old and old[key] != provenance.get(key)] + [
+        f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in sorted(old)
+        if key.startswith("cpu_") and key not in _MACHINE_KEYS and old[key] != provenance.get(key)]

@@ -8,11 +8,17 @@ into one sentence, so that the list starts with the line to read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from ..measurement.size import SizeResult
 from ..sampling.sites import NATIVE, Site, from_dicts
+from .baseline import Entry
 from .record import SiteChange
+from .verdict import Verdict
+
+if TYPE_CHECKING:
+    from ..launching.runs import TestRun
 
 LISTED_MIB = 1.5  # a site must grow by this much to be listed: below it, a pymalloc arena's MiB
 LISTED = 8  # at most this many lines; the rest is summed
@@ -120,3 +126,70 @@ def steady(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -
         else:
             out.append(dict(raw))
     return out
+
+
+def sites_size(verdict: Verdict, launched: Mapping[int, Any]) -> int:
+    """The size whose grown sites explain the failure: the headline's (the check furthest over its
+    limit), else the largest failing size launched (a predicted failure), else the largest launched."""
+    failing = [verdict.worst.world_size, *sorted({c.world_size for c in verdict.failures}, reverse=True)]
+    return next((n for n in failing if n in launched), max(launched, default=0))
+
+
+def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> Growth | None:
+    """The gated rank's peak sites that grew at the failing size: against the ratio's reference (nproc=1
+    unless the marker names one) for a scaling failure, against the baseline's sites for a baseline
+    failure (see judging/growth.py)."""
+    by_size = {r.world_size: r for r in test.results if not r.predicted}
+    if not by_size or not verdict.failures:
+        return None
+    size = sites_size(verdict, by_size)
+    result = by_size[size]
+    kinds = {c.kind for c in verdict.failures if c.world_size == size}
+    entry = stored.get(size)
+    reading = test.readings[size]
+    if reading.every and "baseline" in kinds and entry is not None:
+        own = _most_grown_rank(result, entry)
+        if own is not None:
+            return own
+    rank = reading.rank
+    new = result.sites.get(rank) if rank is not None else None
+    if not new:
+        return None
+    ref = test.spec.reference
+    one = by_size.get(ref)
+    if "baseline" in kinds and entry is not None and entry.sites:
+        return _against_baseline(entry, new)
+    # The same rank at the reference; for rank="all" the reference's largest (a relaunch records it).
+    ref_rank = test.readings[ref].rank if one is not None else None
+    if size > ref and one is not None and ref_rank is not None and one.sites.get(ref_rank):
+        against = f"nproc={ref}" if ref_rank == rank else f"rank {ref_rank} (largest) at nproc={ref}"
+        return site_growth(one.sites[ref_rank], new, against)
+    if entry is not None and entry.sites:
+        return _against_baseline(entry, new)
+    return None
+
+
+def _against_baseline(entry: Entry, new: tuple, rank: int | None = None) -> Growth:
+    old = from_dicts(entry.sites if rank is None else entry.sites_of(rank))
+    complete = sum(not s.internal for s in old) < STORED  # else smaller sites were cut
+    against = "the baseline" if rank is None else f"the baseline of rank {rank}"
+    growth = site_growth(old, new, against, old_complete=complete)
+    return growth if rank is None else replace(growth, of=f"rank {rank}")
+
+
+def _most_grown_rank(result: SizeResult, entry: Entry) -> Growth | None:
+    """Under rank="all", the sites of the rank that grew most over its own stored figure (the
+    allocator's where both have it), against its own stored sites: a middle pipeline stage's line,
+    not the largest rank's."""
+    def growth(rank: int) -> float:
+        now, then = result.allocated.get(rank), entry.allocated_ranks.get(rank)
+        if now is not None and then is not None:
+            return now.mib - then
+        peak = result.peaks.get(rank)
+        return (peak.mib or 0.0) - entry.ranks[rank] if peak is not None and rank in entry.ranks else float("-inf")
+
+    ranks = [r for r in result.sites if result.sites[r] and entry.sites_of(r)]
+    if not ranks:
+        return None
+    rank = max(ranks, key=lambda r: (growth(r), -r))
+    return _against_baseline(entry, result.sites[rank], rank)

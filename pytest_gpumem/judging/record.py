@@ -12,12 +12,13 @@ failed (:data:`Cause`): a limit, a rank, or the baseline.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, Ratio
 from ..measurement.predict import Prediction
-from ..measurement.size import SizeResult
+from ..measurement.size import PER_RANK, SizeResult
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
 SCHEMA = 4
@@ -268,6 +269,7 @@ def _prediction(prediction: Prediction | None) -> dict[str, Any] | None:
 def _size_json(s: SizeRecord) -> dict[str, Any]:
     m = s.measured
     floor = m.floor
+    placed = _per_rank_json(m)  # the per-rank fields (measurement.size.PER_RANK), by the key each follows
     return {
         "nproc": s.nproc,
         "device": s.device,
@@ -275,9 +277,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "gated_rank": s.gated_rank,
         "gated_label": s.gated_label,
         "gated_mib": s.gated_mib,
-        # Side by side: a rank's figure, and how it was measured.
-        "ranks": _keyed(m.peaks, lambda p: p.mib),
-        "methods": _keyed(m.peaks, lambda p: p.method),
+        **placed["gated_mib"],
         "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
                     "text": c.text, "figure": c.figure, "advisory": c.advisory, "own": c.own} for c in s.checks],
         "failed": s.failed,  # derived from the checks: one flag for a script reading the report
@@ -285,9 +285,7 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "ratio_figure": s.ratio_figure,
         "baseline_mib": s.baseline_mib,
         "others_max_mib": s.others_max_mib,
-        "host_ranks": _keyed(m.host_peaks, lambda p: p.mib),
-        "host_methods": _keyed(m.host_peaks, lambda p: p.method),
-        "rss_ranks": _keyed(m.rss_peaks, lambda v: round(v, 1)),
+        **placed["others_max_mib"],
         "floor": None if floor is None else {"framework": floor.framework, "what": floor.describe(s.device, s.nproc),
                                              "ranks": _keyed(floor.ranks, lambda v: round(v, 1)),
                                              "cached": floor.cached},
@@ -296,22 +294,36 @@ def _size_json(s: SizeRecord) -> dict[str, Any]:
         "duration_s": round(m.duration_s, 3),
         "start": m.start,
         "reused": m.reused,
-        "nodes": _keyed(m.nodes),
-        "timeline": _timeline(m.timeline),
+        **placed["reused"],
         "predicted": _prediction(m.prediction),
         "allocated_predicted": _prediction(m.allocated_prediction),
         "simulated": list(m.simulated),
         "fake_gpu": m.fake_gpu,
-        "uncounted": list(m.uncounted),
-        "supplied": list(m.supplied),
-        "allocated_ranks": _keyed(m.allocated, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
-            None if a.reserved_mib is None else round(a.reserved_mib, 2))}),  # torch's: the one allocator read
+        **placed["fake_gpu"],
         "allocated_mib": s.allocated_mib,
         "allocated_baseline_mib": s.allocated_baseline_mib,
-        "sites": _keyed(m.sites, lambda sites: [site.as_dict() for site in sites]),
-        "sites_notes": list(m.sites_notes),
-        "live_timeline": _timeline(m.live_timeline),
+        **placed["allocated_baseline_mib"],
     }
+
+
+_WRITE: dict[str, Callable[[Any], Any]] = {  # a per-rank field's value by its kind (measurement.size.Kind)
+    "peak": lambda peaks: _keyed(peaks, lambda p: p.mib), "mib": lambda v: _keyed(v, lambda mib: round(mib, 1)),
+    "text": _keyed, "sites": lambda v: _keyed(v, lambda sites: [site.as_dict() for site in sites]),
+    "allocated": lambda v: _keyed(v, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
+        None if a.reserved_mib is None else round(a.reserved_mib, 2))}),
+    "curve": _timeline, "lines": list, "sorted lines": list}
+
+
+def _per_rank_json(m: SizeResult) -> defaultdict[str, dict[str, Any]]:
+    """Each per-rank field's keys, grouped by the key they follow (that of the field above, unless named)."""
+    placed: defaultdict[str, dict[str, Any]] = defaultdict(dict)
+    anchor = ""
+    for f in PER_RANK:
+        anchor, value = f.after or anchor, getattr(m, f.name)
+        placed[anchor][f.json] = _WRITE[f.kind](value)
+        if f.methods:  # side by side: a rank's figure, and how it was measured
+            placed[anchor][f.methods] = _keyed(value, lambda p: p.method)
+    return placed
 
 
 def report_document(records: Iterable[TestRecord]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, TypeVar, cast
 
 from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, Ratio, SpecError, parse_tolerance
 from ..measurement.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
-from ..measurement.size import FloorResult, SizeResult
+from ..measurement.size import LINES, PER_RANK, FloorResult, PerRank, SizeResult
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.sites import Site, from_dicts
 from .record import (
@@ -211,28 +211,29 @@ class _Reader(_Fields):
                                 self.optional_text(f, "cached", f"{where}.floor"))
         return SizeResult(
             world_size=nproc, device=self.text(raw, "device", where, ""),
-            peaks=self._peaks(raw, "ranks", "methods", where), platform=self.text(raw, "platform", where, ""),
-            host_peaks=self._peaks(raw, "host_ranks", "host_methods", where),
-            rss_peaks=self.per_rank(raw, "rss_ranks", where, self.mib), floor=floor,
-            timeline=self.timeline(raw.get("timeline") or [], f"{where}.timeline"),
+            platform=self.text(raw, "platform", where, ""), floor=floor,
             duration_s=self.number(raw, "duration_s", where) or 0.0, reused=self.flag(raw, "reused", where),
-            nodes=self.per_rank(raw, "nodes", where, self.string),
             prediction=self.prediction(raw.get("predicted"), nproc, f"{where}.predicted"),
-            allocated=self.per_rank(raw, "allocated_ranks", where, self._allocated),
             allocated_prediction=self.prediction(raw.get("allocated_predicted"), nproc,
                                                  f"{where}.allocated_predicted"),
-            sites=self.per_rank(raw, "sites", where, self._sites), sites_notes=self.texts(raw, "sites_notes", where),
-            live_timeline=self.timeline(raw.get("live_timeline") or [], f"{where}.live_timeline"),
             start=self.text(raw, "start", where, ""),
             simulated=self._ranks(raw.get("simulated") or [], f"{where}.simulated"),
-            fake_gpu=self.text(raw, "fake_gpu", where, ""), uncounted=self.texts(raw, "uncounted", where),
-            supplied=self.texts(raw, "supplied", where))
+            fake_gpu=self.text(raw, "fake_gpu", where, ""),
+            **{field.name: self._per_rank_field(field, raw, where) for field in PER_RANK})
 
-    def _peaks(self, raw: Mapping[str, Any], figures: str, methods: str, where: str) -> dict[int, Peak]:
-        """Each rank's figure (``figures``: rank -> MiB or null) with how it was taken (``methods``)."""
-        mibs = self.per_rank(raw, figures, where, lambda v, w: None if v is None else self.mib(v, w))
-        how = self.per_rank(raw, methods, where, self.string)
-        return {r: Peak(mibs.get(r), how.get(r, "")) for r in sorted(set(mibs) | set(how))}
+    def _per_rank_field(self, f: PerRank, raw: Mapping[str, Any], where: str) -> Any:
+        """A per-rank field of :class:`SizeResult`, from the key(s) ``record._size_json`` wrote it under."""
+        if f.kind in LINES:
+            return self.texts(raw, f.json, where)
+        if f.kind == "curve":
+            return self.timeline(raw.get(f.json) or [], f"{where}.{f.json}")
+        read = {"peak": lambda v, w: None if v is None else self.mib(v, w), "mib": self.mib, "text": self.string,
+                "allocated": self._allocated, "sites": self._sites}[f.kind]
+        values: dict[int, Any] = self.per_rank(raw, f.json, where, read)
+        if not f.methods:
+            return values
+        how = self.per_rank(raw, f.methods, where, self.string)  # a peak's: how each figure was taken
+        return {r: Peak(values.get(r), how.get(r, "")) for r in sorted(set(values) | set(how))}
 
     def prediction(self, raw: Any, world_size: int, where: str) -> Prediction | None:
         """A fitted figure (``Prediction.as_dict``) back as the fit it was; null: a measured size."""
@@ -297,9 +298,6 @@ class _Reader(_Fields):
             self.bad(where, "a list of sites ({where, function, detail, mib, count})", raw)
             return None
         return tuple(from_dicts(raw))
-
-    def _optional_mib(self, raw: Any, where: str) -> float | None:
-        return None if raw is None else self.mib(raw, where)
 
     def record(self, raw: Any, where: str) -> TestRecord | None:
         if not isinstance(raw, dict):

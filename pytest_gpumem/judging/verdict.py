@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from ..config.spec import Spec, Tolerance
-from ..measurement.size import ALLOCATED, DEVICE, HOST, SizeResult
+from ..measurement.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,7 @@ class Verdict:
     results: tuple[SizeResult, ...]
     checks: tuple[Check, ...]
     notes: tuple[str, ...] = ()
+    readings: Mapping[int, GatedReading] = field(default_factory=dict)  # by world size
 
     @property
     def passed(self) -> bool:
@@ -166,11 +167,10 @@ class Verdict:
 
     def ratio(self, world_size: int) -> float | None:
         """peak(N) / peak(reference) in the figure the ratio limit reads (see :func:`ratio_figures`)."""
-        by_size = {r.world_size: r for r in self.results}
         ref = self.spec.reference
-        if world_size <= ref or ref not in by_size or world_size not in by_size:
+        if world_size <= ref or ref not in self.readings or world_size not in self.readings:
             return None
-        base, value, _ = ratio_figures(self.spec, by_size[ref], by_size[world_size])
+        base, value, _ = ratio_figures(self.spec, self.readings[ref], self.readings[world_size])
         if base is None or value is None or base <= 0:
             return None
         return value / base
@@ -180,7 +180,7 @@ class Verdict:
         parts = []
         digits = self.digits
         for result in self.results:
-            label, value = result.gated(self.spec.rank)
+            value = self.readings[result.world_size].mib
             text = f"{result.world_size}: " + ("n/a" if value is None else f"{mib(value, digits)} MiB")
             ratio = self.ratio(result.world_size)
             if ratio is not None:
@@ -196,8 +196,7 @@ class Verdict:
             elif any(c.world_size == result.world_size for c in self.advisories):
                 text += " (would exceed, not validated)"
             parts.append(text)
-        gated = "largest rank" if self.spec.rank == "all" else f"rank {self.spec.rank}"
-        return f"{gated} peak, nproc " + " | ".join(parts)
+        return f"{gated_subject(self.spec.rank)} peak, nproc " + " | ".join(parts)
 
     def render(self, lead: list[str] | None = None) -> str:
         """Top-down for a reviewer: the headline, then ``lead`` (what changed, the sites that grew),
@@ -267,14 +266,14 @@ def simulated_ranks(result: SizeResult) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def ratio_figures(spec: Spec, one: SizeResult, result: SizeResult) -> tuple[float | None, float | None, str]:
+def ratio_figures(spec: Spec, one: GatedReading, reading: GatedReading) -> tuple[float | None, float | None, str]:
     """(peak at the reference size, peak at N, the figure) for the ratio: both sides read the same figure, so
     when one side has no allocator figure both read the device figure."""
-    _, base, base_figure = one.read(spec.rank, spec.figure("max_ratio"))
-    _, value, figure = result.read(spec.rank, spec.figure("max_ratio"))
+    _, base, base_figure = one.read(spec.figure("max_ratio"))
+    _, value, figure = reading.read(spec.figure("max_ratio"))
     if base_figure != figure:
-        _, base, figure = one.read(spec.rank, DEVICE)
-        _, value, figure = result.read(spec.rank, DEVICE)
+        _, base, figure = one.device
+        _, value, figure = reading.device
     return base, value, figure
 
 
@@ -283,17 +282,20 @@ def judge(
     results: list[SizeResult],
     baselines: Mapping[int, BaselineRef] | None = None,
     notes: tuple[str, ...] = (),
+    readings: Mapping[int, GatedReading] | None = None,
 ) -> Verdict:
-    """Apply every limit of ``spec`` (and the stored baselines) to every launched size, each on the
-    figure it reads (``spec.figures``); a predicted size whose model was not validated only advises."""
+    """Apply every limit of ``spec`` (and the stored baselines) to every size's gated reading (made here
+    unless handed), each on the figure it reads; a predicted size whose model was not validated only advises."""
     checks: list[Check] = []
     extra_notes = list(notes)
-    by_size = {r.world_size: r for r in results}
+    if readings is None:
+        readings = {r.world_size: gated_reading(r, spec.rank) for r in results}
     ref = spec.reference
-    one = by_size.get(ref)  # what the ratio is taken against: nproc=1 unless the marker names a reference
+    one = next((r for r in results if r.world_size == ref), None)  # nproc=1 unless the marker names a reference
     for result in sorted(results, key=lambda r: r.world_size):
         n = result.world_size
-        label, mib = result.gated(spec.rank)
+        reading = readings[n]
+        label, mib = reading.label, reading.mib
         advisory = not result.validated
 
         def check(kind: str, limit: float | None, ok: bool, detail: str, value: float | None,
@@ -306,14 +308,14 @@ def judge(
             continue
 
         if spec.max_mib is not None:
-            who, value, figure = result.read(spec.rank, spec.figure("max_mib"))
+            who, value, figure = reading.read(spec.figure("max_mib"))
             if value is not None:
                 check("max_mib", spec.max_mib, value <= spec.max_mib, "max_mib {limit} MiB", value,
                       who, figure)
         cap = spec.max_ratio.at(n) if spec.max_ratio is not None else None
         if cap is not None and n > ref and one is not None:
-            reference, value, figure = ratio_figures(spec, one, result)
-            who = result.read(spec.rank, figure)[0]
+            reference, value, figure = ratio_figures(spec, readings[ref], reading)
+            who = reading.read(figure)[0]
             if reference is not None and value is not None:
                 limit = cap * reference + spec.allow_mib
                 ratio = (f"ratio {value / reference:.2f}x" if reference > 0
@@ -327,17 +329,17 @@ def judge(
                     value, who, figure, reference,
                 )
         if result.uncounted and n > ref and one is not None and not one.simulated:
-            reference, value, figure = ratio_figures(spec, one, result)
+            reference, value, figure = ratio_figures(spec, readings[ref], reading)
             if reference is not None and value is not None and value < reference:
                 skipped = ", ".join(result.uncounted)
                 check(UNCOUNTED, None, False,
                       f"nproc={ref}'s {{reference}} MiB: without its {skipped} (not run in the simulated world, its "
                       "buffers not counted) no limit can gate this size; run it for real (simulate='off' on "
                       "enough GPUs) or leave it out of nproc",
-                      value, result.read(spec.rank, figure)[0], figure, reference)
+                      value, reading.read(figure)[0], figure, reference)
         base = None if result.predicted else (baselines or {}).get(n)  # a baseline holds measurements
         if base is not None and n in spec.nproc:
-            extra_notes += _baseline_checks(spec, result, base, check)
+            extra_notes += _baseline_checks(spec, result, reading, base, check)
     fake = [r for r in results if r.fake_gpu]
     if fake:
         sizes = ", ".join(str(r.world_size) for r in fake)
@@ -356,30 +358,30 @@ def judge(
         extra_notes.append(f"nproc={sizes} ran as a simulated world: {exact}its {what} has no communicator "
                            "buffers, so real ranks hold more (a limit on it fails only where even that figure "
                            "exceeds it)")
-    return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes))
+    return Verdict(spec=spec, results=tuple(results), checks=tuple(checks), notes=tuple(extra_notes),
+                   readings=readings)
 
 
-def _baseline_checks(spec: Spec, result: SizeResult, base: BaselineRef, check: Any) -> list[str]:
+def _baseline_checks(spec: Spec, result: SizeResult, reading: GatedReading, base: BaselineRef,
+                     check: Any) -> list[str]:
     """The stored figure(s): the device (or host) figure at ``tolerance``, and on a GPU, where both
     the baseline and this run have it, the allocator figure at its own, tighter tolerance; under
     rank="all" each rank's against its own as well."""
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     if result.fake_gpu:  # one figure, the allocator's: judged once, at its own tolerance
-        label, mib, figure = result.read(spec.rank, ALLOCATED)
         stored = base.allocated_mib if base.allocated_mib is not None else base.mib
-        pairs.append((label, mib, figure, stored, base.allocated_tolerance or spec.allocated_tolerance, False))
-        if spec.rank == "all":
-            pairs += [pair for pair in _rank_pairs(spec, result, base) if pair[2] == ALLOCATED]
+        pairs.append((*reading.allocated, stored, base.allocated_tolerance or spec.allocated_tolerance, False))
+        if reading.every:
+            pairs += [pair for pair in _rank_pairs(spec, result, reading, base) if pair[2] == ALLOCATED]
         return _baseline_pairs(pairs, result, check)
-    label, mib, figure = result.read(spec.rank, DEVICE)
-    pairs.append((label, mib, figure, base.mib, base.tolerance, False))
+    pairs.append((*reading.device, base.mib, base.tolerance, False))
     if spec.figure("baseline") == ALLOCATED and base.allocated_mib is not None:
-        label, value, figure = result.read(spec.rank, ALLOCATED)
+        label, value, figure = reading.allocated
         if figure == ALLOCATED:
             tolerance = base.allocated_tolerance or spec.allocated_tolerance
             pairs.append((label, value, figure, base.allocated_mib, tolerance, False))
-    if spec.rank == "all":
-        pairs += _rank_pairs(spec, result, base)
+    if reading.every:
+        pairs += _rank_pairs(spec, result, reading, base)
     return _baseline_pairs(pairs, result, check)
 
 
@@ -404,12 +406,12 @@ def _baseline_pairs(pairs: list[tuple[str, float | None, str, float, Tolerance, 
     return notes
 
 
-def _rank_pairs(spec: Spec, result: SizeResult,
+def _rank_pairs(spec: Spec, result: SizeResult, reading: GatedReading,
                 base: BaselineRef) -> list[tuple[str, float | None, str, float, Tolerance, bool]]:
     """Under rank="all", each rank against its own stored figure: the largest rank's check does not
     see a middle pipeline stage that grew below it. The rank that is the largest now and was then
     is checked already, as the largest."""
-    gated, was = result.gated_rank("all"), base.gated_rank
+    gated, was = reading.rank, base.gated_rank
     figure = DEVICE if result.device == "gpu" else HOST
     pairs: list[tuple[str, float | None, str, float, Tolerance, bool]] = []
     for rank, peak in sorted(result.peaks.items()):

@@ -40,7 +40,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Mapping, NoReturn, Sequence
 
-from ..rankside.rank import ROOTDIR_ENV, STARTUP_CWD
+from ..config.env_names import ROOTDIR_ENV
+from ..rankside.rank import STARTUP_CWD
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
 _SAMPLER_THREADS = ("gpumem-host-sampler", "gpumem-nvml-sampler")

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..config.env_names import LAUNCH_ID_ENV, SLOT_ENV, WORKDIR_ENV
 from ..rankside import protocol
-from ..rankside.rank import LAUNCH_ID_ENV, SLOT_ENV, STARTUP_CWD, WORKDIR_ENV
+from ..rankside.rank import STARTUP_CWD
 from ..rankside.simulate import SIMULATE_ENV
 from . import forking
 from .leases import LeaseError
@@ -96,7 +97,7 @@ class LaunchResult:
     start: str = "exec"                    # how the ranks were started: "fork" or "exec"
     start_refusal: str | None = None       # a fork was asked for and refused here: why
     port: int | None = None                # the rendezvous port (MASTER_PORT) the launch was given
-    port_note: str | None = None           # why the port was not leased (chosen free, as before)
+    port_note: str | None = None           # why the port was not leased (a free one was chosen)
     # The rendezvous port was taken by another program before any rank's test body started: the line
     # that says so (a relaunch on another port runs no user test body twice; runner.py does it).
     port_lost: str | None = None
@@ -263,7 +264,7 @@ class Launch(LaunchProcesses):
 
     def _lease_port(self) -> tuple[PortLease | None, str | None]:
         """The launch's MASTER_PORT, leased for its life (``ports.py``); a launcher that picks its own
-        leases none. Where none can be leased, a port chosen free, as before, and why."""
+        leases none. Where none can be leased, a port chosen free (unleased), and why."""
         if self.picks_own_port:
             return None, None
         try:

@@ -1,23 +1,22 @@
 """How a launch's ranks are started: the :class:`Launcher` protocol, and the registry of its
-implementations, one module each in ``launching/launchers/`` (direct, oneflow, torchrun, srun).
+implementations. Each comes in one way, an entry point in the ``pytest_gpumem.launchers`` group:
+the package's own (one module each in ``launching/launchers/``: direct, oneflow, torchrun, srun)
+as an installed package's; the ``pytest_gpumem_launchers`` hook hands its launchers to the same :func:`add`.
 
 The runner and the failure text ask a launcher what they need to know (where its GPUs come from,
 where its launch folder lives, whether its ranks are on this host, what a rank's exit means); the
 launch itself is the launcher's :class:`~.launch.Launch` subclass. Nothing compares a launcher's
 name. A launcher of a team's own (``accelerate launch``, ``deepspeed``, ``mpirun``) comes in without
-a fork of the plugin: from a conftest or plugin's ``pytest_gpumem_launchers`` hook, or from an
-installed package's entry point in the ``pytest_gpumem.launchers`` group (``gpumem measure`` reads
-those too); the marker and the options then accept its name.
+a fork of the plugin, from a conftest or plugin's hook or a package's entry point (``gpumem measure``
+reads those too); the marker and the options then accept its name.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..config.spec import LAUNCHER_ENTRY_POINTS
 from .launch import describe_returncode
@@ -82,20 +81,11 @@ class LocalLauncher:
 _REGISTRY: dict[str, Launcher] = {}
 _BUILT_IN: set[str] = set()  # the package's own names, which no plugin may take over
 _LOADED: list[bool] = []  # [True] once _load ran
-C = TypeVar("C", bound=Callable[[], Launcher])
 
 
-def register(cls: C) -> C:
-    """Class decorator: the launcher answers to its ``name`` from now on."""
-    made = cls()
-    _REGISTRY[made.name] = made
-    _BUILT_IN.add(made.name)
-    return cls
-
-
-def add(made: Launcher, source: str, name: str | None = None) -> None:
-    """A launcher from outside the package (``source``: the plugin or entry point that gave it;
-    ``name``: the entry point's, which must be the launcher's)."""
+def add(made: Launcher, source: str, name: str | None = None, built_in: bool = False) -> None:
+    """Register a launcher (``source``: the entry point or plugin that gave it; ``name``: the entry
+    point's, which must be the launcher's; ``built_in``: the package's own)."""
     _load()
     given = getattr(made, "name", None)
     if not isinstance(given, str) or not given:
@@ -110,6 +100,8 @@ def add(made: Launcher, source: str, name: str | None = None) -> None:
         raise ValueError(f"{source}: launcher {name!r} lacks {', '.join(missing)}; subclass "
                          "pytest_gpumem.launching.launcher.LocalLauncher (or implement the Launcher protocol)")
     _REGISTRY[name] = made
+    if built_in:
+        _BUILT_IN.add(name)
 
 
 def withdraw(name: str) -> None:
@@ -119,17 +111,14 @@ def withdraw(name: str) -> None:
 
 
 def _load() -> None:
-    """Every module of ``launching/launchers/``, each registering its launcher, then the installed
-    packages' entry points (once; importing one launcher's module first registers only that one)."""
+    """The entry points of the group, the package's own first (once)."""
     if not _LOADED:
         _LOADED.append(True)
-        from . import launchers
-
-        for module in pkgutil.iter_modules(launchers.__path__):
-            importlib.import_module(f"{launchers.__name__}.{module.name}")
-        for point in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS):
+        points = importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)
+        for point in sorted(points, key=lambda p: p.module.split(".")[0] != "pytest_gpumem"):
             given = point.load()
-            add(given() if isinstance(given, type) else given, f"entry point {point.name} ({point.value})", point.name)
+            add(given() if isinstance(given, type) else given, f"entry point {point.name} ({point.value})",
+                point.name, built_in=point.module.split(".")[0] == "pytest_gpumem")
 
 
 def launcher(name: str) -> Launcher:

@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..config.env_names import STARTUP_ENV
 from ..config.spec import Spec
-from ..measurement.size import SizeResult
+from ..measurement.size import LINES, PER_RANK, SizeResult
 from ..rankside import protocol
-from ..rankside.rank import STARTUP_ENV
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
@@ -139,7 +139,8 @@ class Launches:
         nproc = len(simulated) or world  # processes
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
-        remote = launcher(spec.launcher).remote
+        chosen = launcher(spec.launcher)
+        remote = chosen.remote
 
         def on_rank(rank: int, pid: int) -> None:
             if remote:  # the PID is on the rank's own host: its exit report counts
@@ -168,7 +169,7 @@ class Launches:
         for sampler in samplers:
             sampler.start()
         try:
-            launch = launcher(spec.launcher).start(request, on_rank, self.launcher_options).run()
+            launch = chosen.start(request, on_rank, self.launcher_options).run()
         finally:
             for sampler in samplers:
                 sampler.stop()
@@ -216,13 +217,9 @@ def _as_world(run: SizeRun, ranks: tuple[int, ...], world: int) -> SizeRun:
     def keyed(values: Mapping[int, Any]) -> dict[int, Any]:
         return {ranks[slot]: value for slot, value in values.items() if slot < len(ranks)}
 
-    def curve(points: tuple[tuple[float, Mapping[int, float]], ...]) -> tuple[tuple[float, Mapping[int, float]], ...]:
-        return tuple((t, keyed(values)) for t, values in points)
-
     result = run.result
+    figures: dict[str, Any] = {f.name: tuple((t, keyed(v)) for t, v in getattr(result, f.name)) if f.kind == "curve"
+                               else keyed(getattr(result, f.name)) for f in PER_RANK if f.kind not in LINES}
     # its problems name the ranks its processes stood for already (failures.who)
     return replace(run, outcomes=keyed(run.outcomes), result=replace(
-        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform),
-        peaks=keyed(result.peaks), host_peaks=keyed(result.host_peaks),
-        rss_peaks=keyed(result.rss_peaks), allocated=keyed(result.allocated), sites=keyed(result.sites),
-        nodes=keyed(result.nodes), timeline=curve(result.timeline), live_timeline=curve(result.live_timeline)))
+        result, world_size=world, simulated=ranks, platform=simulated_key(result.platform), **figures))

@@ -13,7 +13,7 @@ from typing import Iterable
 
 import psutil
 
-from ..rankside.rank import LAUNCH_ID_ENV
+from ..config.env_names import LAUNCH_ID_ENV
 from . import forking
 
 _TERM_GRACE_S = 3.0

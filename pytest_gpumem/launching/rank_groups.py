@@ -4,15 +4,17 @@ A rank of ``rank="all"`` in a simulated world is a process of its own with a sta
 so its figure does not depend on the others running beside it. On GPUs, as many ranks run at a time
 as there are GPUs (each alone on one), one group after another: eight ranks of a model that takes
 60 GiB a rank do not fit on one GPU together, one at a time they do. On host memory or a fake GPU
-(no device memory to share) every rank runs at once, as before. The groups' figures are merged
+(no device memory to share) every rank runs at once. The groups' figures are merged
 into one run of the world's size; the cost is said in the run's notes.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any, Mapping
 
+from ..measurement.size import LINES, PER_RANK, PerRank
 from .runs import SizeRun
 
 
@@ -30,14 +32,16 @@ def _union(maps: list[Mapping[int, Any]]) -> dict[int, Any]:
     return dict(sorted(out.items()))
 
 
-def _curve(runs: list[SizeRun], attr: str) -> tuple[tuple[float, Mapping[int, float]], ...]:
-    """Each group's curve, shifted by the groups run before it: one time axis, one group after another."""
-    points: list[tuple[float, Mapping[int, float]]] = []
-    offset = 0.0
-    for run in runs:
-        points.extend((round(t + offset, 4), values) for t, values in getattr(run.result, attr))
-        offset += run.result.duration_s
-    return tuple(points)
+def _merge(f: PerRank, runs: list[SizeRun]) -> Any:
+    """One per-rank field of the world from its groups': their ranks together, each line once."""
+    values = [getattr(run.result, f.name) for run in runs]
+    if f.kind == "curve":  # each group's after the groups run before it: one time axis
+        offsets = accumulate([0.0] + [run.result.duration_s for run in runs])
+        return tuple((round(t + offset, 4), ranks) for curve, offset in zip(values, offsets) for t, ranks in curve)
+    if f.kind in LINES:
+        lines = [line for group in values for line in group]
+        return tuple(sorted(set(lines)) if f.kind == "sorted lines" else dict.fromkeys(lines))
+    return _union(values)
 
 
 def merged(runs: list[SizeRun], gpus: int) -> SizeRun:
@@ -47,15 +51,7 @@ def merged(runs: list[SizeRun], gpus: int) -> SizeRun:
     first, results = runs[0], [run.result for run in runs]
     ranks = tuple(r for result in results for r in result.simulated)
     seconds = sum(result.duration_s for result in results)
-    result = replace(
-        first.result,
-        peaks=_union([r.peaks for r in results]), host_peaks=_union([r.host_peaks for r in results]),
-        rss_peaks=_union([r.rss_peaks for r in results]), allocated=_union([r.allocated for r in results]),
-        sites=_union([r.sites for r in results]), nodes=_union([r.nodes for r in results]),
-        timeline=_curve(runs, "timeline"), live_timeline=_curve(runs, "live_timeline"), duration_s=seconds,
-        simulated=ranks, uncounted=tuple(sorted({u for r in results for u in r.uncounted})),
-        supplied=tuple(dict.fromkeys(s for r in results for s in r.supplied)),
-        sites_notes=tuple(dict.fromkeys(n for r in results for n in r.sites_notes)))
+    result = replace(first.result, duration_s=seconds, simulated=ranks, **{f.name: _merge(f, runs) for f in PER_RANK})
     cost = (f"nproc={result.world_size}: its {len(ranks)} simulated ranks ran {gpus} at a time (each alone on one "
             f"of {gpus} GPU(s)), {len(runs)} launches one after another, {seconds:.1f} s in all")
     return SizeRun(

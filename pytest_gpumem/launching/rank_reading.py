@@ -130,6 +130,7 @@ def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int]
     """Each rank's result: the one it wrote (a test body), else what its exit says (``exited``: it
     wrote its exit report); ``missing`` where neither tells."""
     outcomes: dict[int, protocol.RankResult] = {}
+    exit_text = launcher(launch.launcher).exit_text
     for rank in range(nproc):
         code = launch.returncodes.get(rank)
         reported = launch.results.get(rank)  # read by the launch, once
@@ -141,9 +142,9 @@ def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int]
             outcomes[rank] = protocol.RankResult("passed")
             continue
         elif rank in exited and (code or launch.launcher_returncode):
-            outcomes[rank] = protocol.RankResult("failed", launcher(launch.launcher).exit_text(launch, rank))
+            outcomes[rank] = protocol.RankResult("failed", exit_text(launch, rank))
             continue
-        outcomes[rank] = protocol.RankResult("missing", launcher(launch.launcher).exit_text(launch, rank))
+        outcomes[rank] = protocol.RankResult("missing", exit_text(launch, rank))
     return outcomes
 
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..config.spec import Spec
-from ..rankside.rank import (
+from ..config.env_names import (
     GPU_IN_RANK_ENV,
     GPU_INTERVAL_ENV,
     HISTORY_ENV,
@@ -20,6 +19,7 @@ from ..rankside.rank import (
     SNAPSHOT_ENV,
     TRACK_ENV,
 )
+from ..config.spec import Spec
 from ..rankside.received import ASSUME_ENV
 from .gpus import GpuPlan
 from .launcher import launcher

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..config.env_names import TRACK_ENV
 from ..config.spec import Spec
-from ..measurement.size import SizeResult
-from ..rankside.rank import TRACK_ENV
+from ..measurement.size import SizeResult, gated_reading
 from .floor_cache import FloorCache
 from .floors import Floors
 from .gpus import GpuPlan, GpuPlanner
@@ -121,18 +121,18 @@ class Runner:
             return run
         again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated,
                              label="peak sites")
-        rank = result.gated_rank(test.spec.rank)
+        rank, relaunched = test.readings[result.world_size].rank, gated_reading(again.result, test.spec.rank)
         found = again.result.sites.get(rank) if rank is not None else None
         if again.problems or rank is None or not found:
             why = f": {again.problems[0].splitlines()[0]}" if again.problems else ""
             return replace(run, notes=[*run.notes, f"the relaunch of nproc={result.world_size} for its peak sites "
                                                    f"gave none{why}"])
-        mib = again.result.read(test.spec.rank, "allocated")[1]
+        mib = relaunched.allocated[1]
         figure = "" if mib is None else f"; its allocator figure {mib:.1f} MiB"
         note = (f"peak sites at nproc={result.world_size} from a relaunch with torch's allocator history on"
                 f"{figure} (--gpumem-sites=on records it in every launch)")
         # rank="all" holds each rank to its own baseline: every rank's sites, to name the one that grew.
-        found_sites = again.result.sites if test.spec.rank == "all" else {rank: found}
+        found_sites = again.result.sites if relaunched.every else {rank: found}
         return replace(run, result=replace(result, sites={**result.sites, **found_sites},
                                            sites_notes=(*result.sites_notes, note)))
 

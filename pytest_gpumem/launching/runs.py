@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..measurement.size import SizeResult
+from ..measurement.size import GatedReading, SizeResult, gated_reading
 from ..oneflow.conversions import Conversion
 from ..rankside import protocol
 from .launch import LaunchResult
@@ -57,3 +58,8 @@ class TestRun:
     def results(self) -> list[SizeResult]:
         """Launched sizes, then the predicted ones (``result.predicted``)."""
         return [run.result for run in self.runs] + self.predicted
+
+    @cached_property
+    def readings(self) -> dict[int, GatedReading]:
+        """Each size's gated reading, by world size: made once judging starts (the gate judges a copy)."""
+        return {result.world_size: gated_reading(result, self.spec.rank) for result in self.results}

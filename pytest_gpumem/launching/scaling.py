@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..config.spec import Spec
 from ..measurement.predict import PredictError, predict
-from ..measurement.size import ALLOCATED, DEVICE, HOST, SizeResult
+from ..measurement.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 from .rank_groups import merged, rank_groups
 from .runner import Runner, TestRun
 from .runs import SizeRun
@@ -76,7 +76,7 @@ class Capacity:
                 self._gpus = int(self._gpu_count())
             if self._gpus:
                 return self._gpus, f"{self._gpus} GPU(s) on this machine"
-        # host memory (auto with no GPU; gpu: the planner skips, saying so, as before)
+        # host memory (auto with no GPU; gpu with none: the planner skips the test, saying why)
         if max(spec.sizes) * RANK_LEAST_MIB <= 1024:  # a GiB fits anywhere: the host is not asked
             return None, ""
         return self.host_cap()
@@ -130,18 +130,17 @@ def launching(spec: Spec, sizes: tuple[int, ...]) -> Spec:
     return replace(spec, nproc=tuple(n for n in spec.nproc if n in sizes), max_ratio=spec.max_ratio if keep else None)
 
 
-def _points(test: TestRun, spec: Spec, figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
+def _points(launched: list[SizeResult], readings: dict[int, GatedReading],
+            figure: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
     """The gated rank's figure at each launched size, and the floor under it where one was measured
     (the allocator figure has none: no context, no communicator)."""
     points, floors = [], {}
-    for result in test.results:
-        if result.predicted:
-            continue
-        _, mib, read = result.read(spec.rank, figure)
+    for result in launched:
+        _, mib, read = readings[result.world_size].read(figure)
         if mib is None or read != figure:
             return [], {}
         points.append((result.world_size, mib))
-        rank = result.gated_rank(spec.rank)
+        rank = readings[result.world_size].rank
         floor = result.floor.ranks.get(0 if rank is None else rank) if result.floor is not None else None
         if floor is not None and figure != ALLOCATED:
             floors[result.world_size] = floor
@@ -186,18 +185,19 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
 def _predict(test: TestRun, spec: Spec, sizes: tuple[int, ...]) -> tuple[list[SizeResult], dict[int, str]]:
     """A predicted :class:`SizeResult` for each of ``sizes``, fitted on the launched ones; or none,
     and why each cannot be predicted (nothing, where the verdict fails on a launched size anyway)."""
-    label = "largest rank" if spec.rank == "all" else f"rank {spec.rank}"
+    label = gated_subject(spec.rank)
     launched = [r for r in test.results if not r.predicted]
+    readings = {r.world_size: gated_reading(r, spec.rank) for r in launched}
     device, platform = launched[-1].device, launched[-1].platform
     main = DEVICE if device == "gpu" else HOST
     try:
-        points, floors = _points(test, spec, main)
-        allocated, _ = _points(test, spec, ALLOCATED) if device == "gpu" else ([], {})
+        points, floors = _points(launched, readings, main)
+        allocated, _ = _points(launched, readings, ALLOCATED) if device == "gpu" else ([], {})
         return [SizeResult(world_size=n, device=device, peaks={}, platform=platform,
                            prediction=predict(points, n, label, floors),
                            allocated_prediction=predict(allocated, n, label) if allocated else None)
                 for n in sizes], {}
     except PredictError as exc:
-        if all(r.gated(spec.rank)[1] is not None for r in launched):  # else the verdict fails on it
+        if all(reading.mib is not None for reading in readings.values()):  # else the verdict fails on it
             return [], {n: f"cannot be predicted: {exc}" for n in sizes}
         return [], {}

@@ -7,7 +7,7 @@ launched), judged by ``judging``, held by the record every output renders (``jud
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Literal, Mapping
 
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.sites import Site
@@ -82,26 +82,6 @@ class SizeResult:
         """Whether a predicted figure can gate: its model was judged on sizes it did not see (LOO)."""
         return self.prediction is None or self.prediction.validated
 
-    def read(self, rank: int | str, figure: str) -> tuple[str, float | None, str]:
-        """(label of the gated rank, its MiB, the figure read) for a limit that reads ``figure``.
-
-        On a GPU, "allocated" is the framework allocator's figure where the rank reported one;
-        otherwise (OneFlow, a rank that never used the allocator) the device figure is read. A fake
-        GPU has no device: every limit reads its allocator figure. On host memory every limit reads
-        the one host figure.
-        """
-        if self.device == "gpu" and (figure == ALLOCATED or self.fake_gpu):
-            if self.prediction is not None and self.allocated_prediction is not None:
-                return self.allocated_prediction.rank_label, self.allocated_prediction.mib, ALLOCATED
-            if self.prediction is None and self.allocated:
-                if rank == "all":
-                    top = max((p.mib, r) for r, p in self.allocated.items())[1]
-                    return f"rank {top} (largest)", self.allocated[top].mib, ALLOCATED
-                if int(rank) in self.allocated:
-                    return f"rank {rank}", self.allocated[int(rank)].mib, ALLOCATED
-        label, mib = self.gated(rank)
-        return label, mib, DEVICE if self.device == "gpu" else HOST
-
     @property
     def basis(self) -> str:
         """What the figure stands on, next to the device: empty for a measurement of a real world."""
@@ -111,32 +91,106 @@ class SizeResult:
             return "simulated world"
         return "" if self.prediction is None else self.prediction.describe()
 
-    def gated_rank(self, rank: int | str) -> int | None:
-        """Which rank is gated: ``rank`` itself, or for ``rank="all"`` the largest one (None when no
-        rank was measured, or for a predicted size)."""
-        if rank != "all":
-            return int(rank)
-        if self.prediction is not None:
-            return None
-        known = [(p.mib, r) for r, p in self.peaks.items() if p.mib is not None]
-        return max(known)[1] if known else None
-
-    def gated(self, rank: int | str) -> tuple[str, float | None]:
-        """(label of the gated rank, its peak MiB); ``rank="all"`` takes the largest rank."""
-        if self.prediction is not None:
-            return self.prediction.rank_label, self.prediction.mib
-        top = self.gated_rank(rank)
-        peak = self.peaks.get(top) if top is not None else None
-        if rank == "all":
-            return ("all ranks", None) if peak is None else (f"rank {top} (largest)", peak.mib)
-        return f"rank {rank}", None if peak is None else peak.mib
-
-    def others_max(self, rank: int | str) -> float | None:
-        """The largest peak of the ranks not gated (under ``rank="all"``, all but the largest one)."""
-        gated = self.gated_rank(rank) if rank == "all" else rank
-        values = [p.mib for r, p in self.peaks.items() if p.mib is not None and r != gated]
-        return max(values) if values else None
-
     @property
     def methods(self) -> str:
         return ", ".join(sorted({p.method for p in self.peaks.values()})) or "not available"
+
+
+Figure = tuple[str, float | None, str]  # (label of the gated rank, its MiB, the figure read)
+
+
+@dataclass(frozen=True)
+class GatedReading:
+    """Which rank of one size is gated, and what it reads: made once per size (:func:`gated_reading`)."""
+
+    every: bool  # rank="all": the largest rank is gated, each rank held to its own stored figure
+    rank: int | None  # the gated rank; None under "all" with no rank measured, or for a predicted size
+    label: str  # "rank 0", "rank 3 (largest)", "all ranks", a prediction's label
+    mib: float | None  # its device (GPU) or host figure; a predicted size's fitted one
+    device: Figure  # what a limit on the device figure reads
+    allocated: Figure  # what a limit on the allocator figure reads (the device figure where there is none)
+    others_mib: float | None  # the largest peak of the ranks not gated
+    method: str  # how the gated figure was measured
+
+    def read(self, figure: str) -> Figure:
+        """What a limit that reads ``figure`` reads (see :func:`gated_reading`)."""
+        return self.allocated if figure == ALLOCATED else self.device
+
+
+def gated_subject(rank: int | str) -> str:
+    """Whose peak each size's figure is, for the marker's ``rank``: ``largest rank`` or ``rank 0``."""
+    return "largest rank" if rank == "all" else f"rank {rank}"
+
+
+def gated_reading(result: SizeResult, rank: int | str) -> GatedReading:
+    """The one place that decides which rank of ``result`` is gated for the marker's ``rank`` (``"all"``:
+    the largest measured; none for a predicted size), and what each limit reads of it.
+
+    On a GPU, a limit on the allocator figure reads the framework allocator's where the rank reported
+    one, else (OneFlow, a rank that never used the allocator) the device figure. A fake GPU has no
+    device: every limit reads its allocator figure. On host memory every limit reads the one host figure.
+    """
+    known = [(p.mib, r) for r, p in result.peaks.items() if p.mib is not None]
+    top = int(rank) if rank != "all" else max(known)[1] if known and result.prediction is None else None
+    peak = result.peaks.get(top) if top is not None else None
+    mib: float | None
+    if result.prediction is not None:
+        label, mib = result.prediction.rank_label, result.prediction.mib
+    elif rank == "all":
+        label, mib = ("all ranks", None) if peak is None else (f"rank {top} (largest)", peak.mib)
+    else:
+        label, mib = f"rank {rank}", None if peak is None else peak.mib
+    device = (label, mib, DEVICE if result.device == "gpu" else HOST)
+    allocated = _allocator_figure(result, rank) or device
+    others = [p.mib for r, p in result.peaks.items() if p.mib is not None and r != top]
+    return GatedReading(rank == "all", top, label, mib, allocated if result.fake_gpu else device, allocated,
+                        max(others) if others else None, peak.method if peak is not None else result.methods)
+
+
+def _allocator_figure(result: SizeResult, rank: int | str) -> Figure | None:
+    """The gated rank's allocator figure, where the size has one (``rank="all"``: the allocator's largest)."""
+    if result.device != "gpu":
+        return None
+    if result.prediction is not None:
+        fitted = result.allocated_prediction
+        return None if fitted is None else (fitted.rank_label, fitted.mib, ALLOCATED)
+    if rank == "all" and result.allocated:
+        top = max((p.mib, r) for r, p in result.allocated.items())[1]
+        return f"rank {top} (largest)", result.allocated[top].mib, ALLOCATED
+    mine = result.allocated.get(int(rank)) if rank != "all" else None
+    return None if mine is None else (f"rank {rank}", mine.mib, ALLOCATED)
+
+
+# What a per-rank field holds: a map by rank of a Peak, of MiB (written to 0.1), of a text, of an
+# allocator figure or of the sites at the peak; a curve (points in time, each a map by rank); lines of
+# text, which name no rank (merged as first seen, or sorted).
+Kind = Literal["peak", "mib", "text", "allocated", "sites", "curve", "lines", "sorted lines"]
+LINES: tuple[Kind, ...] = ("lines", "sorted lines")
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """A field of :class:`SizeResult` that each launch fills for the ranks it ran, declared once in
+    :data:`PER_RANK`: ``launching`` keys it by the ranks a simulated launch stood for and merges the
+    launches of one world, ``judging.record`` writes it under ``json`` and reads it back."""
+
+    name: str
+    json: str
+    kind: Kind
+    after: str = ""  # the key of a record's size it follows (reports keep their layout); "": the field above
+    methods: str = ""  # a Peak map: the key of how each figure was taken, beside the figures
+
+
+PER_RANK = (
+    PerRank("peaks", "ranks", "peak", after="gated_mib", methods="methods"),
+    PerRank("host_peaks", "host_ranks", "peak", after="others_max_mib", methods="host_methods"),
+    PerRank("rss_peaks", "rss_ranks", "mib"),
+    PerRank("nodes", "nodes", "text", after="reused"),
+    PerRank("timeline", "timeline", "curve"),
+    PerRank("uncounted", "uncounted", "sorted lines", after="fake_gpu"),
+    PerRank("supplied", "supplied", "lines"),
+    PerRank("allocated", "allocated_ranks", "allocated"),  # torch's: the one allocator read
+    PerRank("sites", "sites", "sites", after="allocated_baseline_mib"),
+    PerRank("sites_notes", "sites_notes", "lines"),
+    PerRank("live_timeline", "live_timeline", "curve"),
+)

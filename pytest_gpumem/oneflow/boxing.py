@@ -640,14 +640,6 @@ def from_provenance(provenance: Mapping[str, str]) -> dict[str, int] | None:
     return out
 
 
-def audit_diff(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
-    """``diff`` between a baseline's provenance and a new run's; [] unless both audited graphs."""
-    before, after = from_provenance(old), from_provenance(new)
-    if before is None or after is None:
-        return []
-    return diff(before, after)
-
-
 # ------------------------------------------------------------------- the hook inside a rank
 
 _HOOK_FLAG = "_gpumem_boxing_hook"

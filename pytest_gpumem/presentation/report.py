@@ -80,13 +80,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
                 size.device,
                 rec.size_verdict(size),
             ))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: tuple[str, ...]) -> str:
-        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
-
-    out = [line(header), line(tuple("-" * w for w in widths))]
-    out.extend(line(row) for row in rows)
+    out = _aligned(header, rows)
     if any(size.measured.reused for rec in records for size in rec.sizes):
         out.append("* nproc=1 reference reused from an earlier launch in this session")
     if any(rec.unlisted(size) for rec in records for size in rec.sizes):
@@ -110,6 +104,44 @@ def table(records: Iterable[TestRecord]) -> list[str]:
                    "communicator; on GPU the CUDA context); job: the rest")
     out.extend(predicted_lines(records))
     return out
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The header, a rule and the rows, each column as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)]
+
+
+def scaling_table(rec: TestRecord) -> list[str]:
+    """``gpumem measure``'s table, one row per world size: the gated rank, the other ranks' range, the
+    largest, the ratio to nproc=1; a predicted size says so and on what it stands."""
+    header = ("nproc", "gated MiB", "other ranks MiB", "largest MiB", "ratio", "seconds", "how")
+    rows = []
+    for size in rec.sizes:
+        peaks = size.measured.peaks
+        ranks = {r: p.mib for r, p in peaks.items() if p.mib is not None}
+        others = [v for r, v in ranks.items() if r != size.gated_rank]
+        largest = max(ranks.items(), key=lambda item: item[1]) if ranks else None
+        how = f"{size.device}, {size.basis}" if size.predicted else (
+            f"{size.device}, " + ", ".join(sorted({p.method for p in peaks.values()}) or ["not available"]))
+        rows.append((
+            str(size.nproc) + (" (predicted)" if size.predicted else ""),
+            f"{_mib(size.gated_mib)} ({size.gated_label})",
+            "-" if not others else (_mib(min(others)) if min(others) == max(others)
+                                    else f"{min(others):.1f}-{max(others):.1f}"),
+            "-" if largest is None else f"{largest[1]:.1f} (rank {largest[0]})",
+            "-" if size.ratio is None else f"{size.ratio:.2f}x",
+            "-" if size.predicted else f"{size.measured.duration_s:.1f}",
+            how,
+        ))
+    title = f"gpumem measure: {rec.test} ({rec.launcher} launcher): {rec.verdict}"
+    if rec.status == "measured":
+        title += " (no limits given: nothing judged)"
+    return [title, *_aligned(header, rows)]
 
 
 def message_sections(records: Iterable[TestRecord]) -> list[tuple[str, list[str]]]:

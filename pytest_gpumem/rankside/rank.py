@@ -22,15 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..config.env_names import (
+    BOXING_ENV,
+    FAST_EXIT_ENV,
+    GPU_IN_RANK_ENV,
+    GPU_INTERVAL_ENV,
+    HISTORY_ENV,
+    PYTHON_ALLOCATIONS_ENV,
+    ROOTDIR_ENV,
+    SITES_ENV,
+    SLOT_ENV,
+    SNAPSHOT_ENV,
+    STARTUP_ENV,
+    TRACK_ENV,
+    WORKDIR_ENV,
+)
+
 if TYPE_CHECKING:
     from ..sampling.allocations import AllocationTracker
     from ..sampling.nvml import NvmlSampler
     from .gpu_allocator import TorchAllocator
 
-# Light on purpose: plugin.py imports this module in every pytest session (for the names above),
+# Light on purpose: plugin.py imports this module in every pytest session (for declare_config),
 # so what only a rank needs (baseline, boxing, rendezvous, runpy, ctypes, resource) is imported where used.
-
-WORKDIR_ENV = "GPUMEM_WORKDIR"
 
 
 def _cwd() -> str | None:
@@ -44,28 +58,6 @@ def _cwd() -> str | None:
 # (plugin.py imports this module as pytest starts, before pytester or a test changes folder):
 # the launch hands the ranks those entries made absolute (launching.launch.absolute_pythonpath).
 STARTUP_CWD = _cwd()
-LAUNCH_ID_ENV = "GPUMEM_LAUNCH_ID"
-SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
-# Rank-side switches, declared in settings.OPTIONS (gpumem_boxing, gpumem_fast_exit): the user's
-# session resolves them and sets them in the ranks' environment as "1" or "0".
-BOXING_ENV = "GPUMEM_BOXING"  # off: no OneFlow nn.Graph boxing audit
-FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's full teardown
-# Set by the runner for each launch (settings.OPTIONS: gpumem_track_host): "0" where the figure will be GPU memory.
-TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figures fall back to VmHWM
-GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
-GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"
-SITES_ENV = "GPUMEM_SITES"  # 0: no peak sites (no memray site read-back, no torch allocator history)
-PYTHON_ALLOCATIONS_ENV = "GPUMEM_PYTHON_ALLOCATIONS"  # "arenas": Python's objects counted by pymalloc's arenas
-HISTORY_ENV = "GPUMEM_GPU_HISTORY"  # 1: record torch's CUDA allocator history for the GPU sites (set by the parent)
-ROOTDIR_ENV = "GPUMEM_ROOTDIR"  # sites are named relative to it (set by the parent)
-# Which rank-<slot>.* files this process writes: its RANK, except in a simulated world, where the
-# launch's processes stand for ranks picked out of a larger one (rankside.simulate).
-SLOT_ENV = "GPUMEM_SLOT"
-# Where the host tracker starts in a pytest rank (set by the parent, launching.startups):
-# unset: at the rank's start, one capture; "probe": at the start, and the rank ends where its test's
-# setup begins, reporting its start-up's live and peak MiB; "0=LIVE/PEAK;1=...": at the setup, the
-# start-up's figures (by rank) measured by a probe.
-STARTUP_ENV = "GPUMEM_STARTUP"
 
 @dataclass
 class ThisRank:

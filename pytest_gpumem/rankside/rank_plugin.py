@@ -15,9 +15,10 @@ from typing import Any
 
 import pluggy
 
+from ..config.env_names import SNAPSHOT_ENV
 from . import protocol
 from .protocol import RankResult, RankState
-from .rank import SNAPSHOT_ENV, allocator, file_rank, startup_ended
+from .rank import allocator, file_rank, startup_ended
 
 hookimpl = pluggy.HookimplMarker("pytest")
 

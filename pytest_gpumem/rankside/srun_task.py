@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..config.env_names import WORKDIR_ENV
 from . import protocol
-from .rank import WORKDIR_ENV
 from .slurm_env import SlurmEnvError, contract, parse_addresses
 
 FOLDER_WAIT_ENV = "GPUMEM_SLURM_FOLDER_WAIT_S"

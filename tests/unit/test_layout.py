@@ -5,12 +5,12 @@ pytest glue imports pytest (ruff's banned-import rule covers the latter for the 
     sampling      measurement: memray in the rank, RSS and NVML from the parent, host identity
     oneflow       OneFlow-only code (boxing audit, rendezvous)
     rankside      what runs inside a rank, and the files it exchanges with its parent
-    judging       verdicts, baselines, predictions, the typed record: functions of measurements
     launching     the parent side of a launch, which hands its measurements to judging's types
+    judging       one test's run -> its outcome (the gate): verdicts, baselines, the typed record
     presentation  renderers of the record
-    top level     plugin (pytest glue), session (the machinery, built once from the settings), gate
-                  (one test's outcome), cli, measure and bisect (commands;
-                  bisect is a package: its search, its commits, its worktree steps, the command)
+    top level     plugin (pytest glue), session (the machinery, built once from the settings), cli,
+                  measure and bisect (commands; bisect is a package: its search, its commits, its
+                  worktree steps, the command)
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
 LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "measurement", "launching", "judging", "presentation"]
-TOP = {"plugin", "hookspecs", "session", "gate", "cli", "measure", "bisect", "calibrate"}
+TOP = {"plugin", "hookspecs", "session", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
-ALLOWED_UP = {
-    # the one option table names the rank side's environment switches (their names: strings)
-    ("config", "rankside"),
-}
+ALLOWED_UP: set[tuple[str, str]] = set()
 
 
 def _imports(path: Path) -> set[str]:
@@ -119,7 +116,7 @@ def test_nothing_below_the_top_level_imports_it():
         assert not top, f"{path.relative_to(PACKAGE)} imports the top-level module(s) {sorted(top)}"
 
 
-def test_the_top_level_holds_only_the_entry_points_and_the_gate():
+def test_the_top_level_holds_only_the_entry_points():
     assert {p.stem for p in PACKAGE.glob("*.py")} | COMMAND_PACKAGES == TOP | {"__init__"}
 
 
@@ -237,3 +234,47 @@ def test_the_fill_check_sees_a_handed_object_changed_through_a_loop():
     fn = ast.parse(source).body[0]
     assert isinstance(fn, ast.FunctionDef)
     assert _fills(fn) == [(3, "run.result"), (4, "run.notes.append")]
+
+
+# Where a size's gated reading is made: once judging starts (a finished run's readings), and before it
+# for the sizes the launch cap fits a prediction to and a size relaunched for its peak sites; ``judge``
+# makes them for a caller that hands it results without a run.
+_READERS = {"launching/runs.py:readings", "judging/verdict.py:judge", "launching/scaling.py:_predict",
+            "launching/runner.py:_with_sites"}
+
+
+def test_which_rank_is_gated_is_decided_in_one_place():
+    """Which rank of a size is gated, its label and its figures: ``measurement.size.gated_reading``
+    decides, and the reading is handed on (issue 56: 30 call sites recomputed it from the result and
+    the marker's rank, in five modules); ``SizeResult`` itself takes no rank."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and f"{where}:{fn.name}" not in _READERS:
+                found += [f"{where}:{fn.name} line {node.lineno}" for node in ast.walk(fn)
+                          if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "gated_reading"]
+    assert found == [], "hand the size's GatedReading down instead: " + "; ".join(found)
+    size = next(node for node in ast.parse((PACKAGE / "measurement" / "size.py").read_text()).body
+                if isinstance(node, ast.ClassDef) and node.name == "SizeResult")
+    assert [fn.name for fn in size.body if isinstance(fn, ast.FunctionDef)
+            and "rank" in [a.arg for a in fn.args.args]] == []
+
+
+def test_the_drawn_path_of_one_test_goes_down_the_layers_once():
+    """docs/architecture.md draws one test's path from the hook to the table: each module once, the
+    top level first and then the layers in order, each module reached (imported) from one drawn above
+    it, so a reader never climbs back to a room already left (issue 56: 53 stops, 38 returns)."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("## The path of one test", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = [line.split()[0] for line in block.splitlines() if line.strip()]
+    assert len(drawn) == len(set(drawn)), drawn
+    paths = [PACKAGE / name for name in drawn]
+    assert all(path.is_file() for path in paths), drawn
+    rank = [-1 if path.parent == PACKAGE else LAYERS.index(path.relative_to(PACKAGE).parts[0]) for path in paths]
+    assert rank == sorted(rank), f"not in layer order: {drawn}"
+    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    names = [_module_name(path) for path in paths]
+    for i, name in enumerate(names[1:], 1):
+        reached = any(name in _module_imports(above, known) for above in paths[:i])
+        assert reached, f"{drawn[i]}: imported by no module drawn above it"

@@ -1,1 +1,1 @@
-"""The launchers, one module each; each registers itself (``launching.launcher.register``)."""
+"""The launchers, one module each, registered as entry points of ``pytest_gpumem.launchers`` (pyproject.toml)."""

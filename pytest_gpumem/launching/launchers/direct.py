@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 from ...rankside import protocol
 from .. import forking
 from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode, direct_env, rank_target, simulated_env
-from ..launcher import LauncherOptions, LocalLauncher, register
+from ..launcher import LauncherOptions, LocalLauncher
 
 
 class DirectLaunch(Launch):
@@ -37,7 +37,6 @@ class DirectLaunch(Launch):
         return start, refusal
 
 
-@register
 class Direct(LocalLauncher):
     name = "direct"
     per_rank = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..launch import Launch, LaunchRequest, bound_python, rank_target
-from ..launcher import LauncherOptions, LocalLauncher, register
+from ..launcher import LauncherOptions, LocalLauncher
 
 
 class OneflowLaunch(Launch):
@@ -18,7 +18,6 @@ class OneflowLaunch(Launch):
                 "--logdir", str(req.workdir / "log"), *rank_target(req)]
 
 
-@register
 class Oneflow(LocalLauncher):
     name = "oneflow"
 

@@ -10,10 +10,9 @@ from ...config.spec import Spec
 from .. import slurm
 from ..gpus import GpuPlan
 from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from ..launcher import LauncherOptions, register
+from ..launcher import LauncherOptions
 
 
-@register
 class Srun:
     name = "srun"
     per_rank = False

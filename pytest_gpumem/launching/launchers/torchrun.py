@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..launch import Launch, LaunchRequest, bound_python, rank_target
-from ..launcher import LauncherOptions, LocalLauncher, register
+from ..launcher import LauncherOptions, LocalLauncher
 
 
 class TorchrunLaunch(Launch):
@@ -21,7 +21,6 @@ class TorchrunLaunch(Launch):
                 "--monitor-interval", "0.1", "--log-dir", str(req.workdir / "torchrun"), *rank_target(req)]
 
 
-@register
 class Torchrun(LocalLauncher):
     name = "torchrun"
 

@@ -617,7 +617,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     compared as limits (filed apart), but the real run reports the fake figure's error."""
     from pytest_gpumem.config.settings import resolve
     from pytest_gpumem.config.spec import Defaults, parse_marker
-    from pytest_gpumem.gate import Gate
+    from pytest_gpumem.judging.gate import Gate
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
     from pytest_gpumem.measurement.size import SizeResult

@@ -22,7 +22,7 @@ from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
 from pytest_gpumem.judging.verdict import BaselineRef, against_reference, judge
 from pytest_gpumem.measurement.predict import predict
-from pytest_gpumem.measurement.size import FloorResult, SizeResult
+from pytest_gpumem.measurement.size import FloorResult, SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 
 JUST = 0.01  # MiB
@@ -243,10 +243,11 @@ def test_a_gated_rank_with_no_peak_at_all_fails_as_unmeasured():
 
 def test_others_max_is_the_largest_other_measured_rank():
     three = result(3, 600.0, 650.0, None)
-    assert (three.others_max(0), three.others_max(1), three.others_max(2), three.others_max("all")) == (
+    assert tuple(gated_reading(three, rank).others_mib for rank in (0, 1, 2, "all")) == (
         650.0, 600.0, 650.0, 600.0)  # under rank="all" the others are all but the largest (issue 55)
-    assert result(1, 500.0).others_max(0) is None and result(2, 500.0, None).others_max(0) is None
-    assert result(1, 500.0).others_max("all") is None  # one rank: no others
+    assert gated_reading(result(1, 500.0), 0).others_mib is None
+    assert gated_reading(result(2, 500.0, None), 0).others_mib is None
+    assert gated_reading(result(1, 500.0), "all").others_mib is None  # one rank: no others
 
 
 def test_the_rendering_of_floors_resident_memory_nodes_and_predicted_sizes():
@@ -311,7 +312,7 @@ def test_the_rendering_of_a_passing_verdict_and_of_unmeasured_ranks():
     ]
     assert str(v.checks[0]) == "rank 0 at nproc=2 (cpu): peak 10.0 MiB <= max_mib 1000.0 MiB"
     every = judge(spec(nproc=2, rank="all"), [result(2, None, None)])
-    assert every.results[0].gated("all") == ("all ranks", None)
+    assert every.readings[2].label == "all ranks" and every.readings[2].mib is None
     assert "largest rank peak, nproc 2: n/a FAIL" in every.render()
     assert SizeResult(1, "cpu", {}).methods == "not available"
 
@@ -364,17 +365,19 @@ def test_tolerance_refused_naming_what_is_accepted(value, message):
 
 def test_the_gated_rank_is_the_configured_one_or_the_largest_measured():
     three = SizeResult(3, "cpu", {0: Peak(10.0, "m"), 1: Peak(30.0, "m"), 2: Peak(None, "not available")})
-    assert three.gated_rank(0) == 0 and three.gated_rank(2) == 2  # configured: whether or not it was measured
-    assert three.gated_rank("all") == 1 and three.gated("all") == ("rank 1 (largest)", 30.0)
-    assert three.gated(2) == ("rank 2", None)
-    tie = SizeResult(2, "cpu", {0: Peak(30.0, "m"), 1: Peak(30.0, "m")})
-    assert tie.gated_rank("all") == 1  # a tie goes to the higher rank, in the label and the int alike
-    assert tie.gated("all")[0] == "rank 1 (largest)"
-    assert SizeResult(2, "cpu", {0: Peak(None, "x")}).gated_rank("all") is None
+    every, two = gated_reading(three, "all"), gated_reading(three, 2)
+    assert gated_reading(three, 0).rank == 0 and two.rank == 2  # configured: whether or not it was measured
+    assert every.rank == 1 and (every.label, every.mib) == ("rank 1 (largest)", 30.0)
+    assert (two.label, two.mib) == ("rank 2", None)
+    tie = gated_reading(SizeResult(2, "cpu", {0: Peak(30.0, "m"), 1: Peak(30.0, "m")}), "all")
+    assert tie.rank == 1  # a tie goes to the higher rank, in the label and the int alike
+    assert tie.label == "rank 1 (largest)"
+    assert gated_reading(SizeResult(2, "cpu", {0: Peak(None, "x")}), "all").rank is None
     fitted = predict([(1, 100.0), (2, 110.0)], 8)
     predicted = SizeResult(8, "cpu", {}, prediction=fitted)
-    assert predicted.gated_rank("all") is None and predicted.gated_rank(3) == 3
-    assert predicted.gated("all") == (fitted.rank_label, fitted.mib)
+    every = gated_reading(predicted, "all")
+    assert every.rank is None and gated_reading(predicted, 3).rank == 3
+    assert (every.label, every.mib) == (fitted.rank_label, fitted.mib)
 
 
 # -- tolerance="auto": as tight as the compared figure is steady ------------------------------------
@@ -382,8 +385,8 @@ def test_the_gated_rank_is_the_configured_one_or_the_largest_measured():
 
 def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_moving_elsewhere(tmp_path: Path):
     from pytest_gpumem.config.settings import resolve
-    from pytest_gpumem.gate import Gate
     from pytest_gpumem.judging.baseline import BaselineStore, Entry
+    from pytest_gpumem.judging.gate import Gate
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
 
@@ -427,7 +430,8 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
     """rank="all" with reference=4 (Megatron TP=2 x PP=2): the relaunch records each size's largest
     rank, rank 1 at 4 and rank 3 at 8; the growth is taken between those two, not against rank 0 at
     4 (which has no sites), and the failure names both."""
-    from pytest_gpumem.gate import explain_failure, grown_sites
+    from pytest_gpumem.judging.explain import explain_failure
+    from pytest_gpumem.judging.growth import grown_sites
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runs import SizeRun, TestRun
     from pytest_gpumem.sampling.sites import Site
@@ -508,9 +512,9 @@ def test_a_fixed_gated_rank_is_not_held_to_the_other_ranks_figures():
 def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stored_sites():
     """Pipeline stages keeping every microbatch's output: rank 1 grew most, so its sites are compared with
     rank 1's stored sites (not the largest rank's), and the failure leads with its line."""
-    from pytest_gpumem.gate import explain_failure, grown_sites
     from pytest_gpumem.judging.baseline import Entry
-    from pytest_gpumem.judging.growth import stored_sites
+    from pytest_gpumem.judging.explain import explain_failure
+    from pytest_gpumem.judging.growth import grown_sites, stored_sites
     from pytest_gpumem.launching.runs import TestRun
     from pytest_gpumem.sampling.sites import Site
 

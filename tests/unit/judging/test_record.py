@@ -23,7 +23,7 @@ from pytest_gpumem.judging.record import (
 )
 from pytest_gpumem.judging.record_reader import load_report, parse_report
 from pytest_gpumem.measurement.predict import FLAT, LINEAR, Candidate, Fit, Prediction
-from pytest_gpumem.measurement.size import FloorResult, SizeResult
+from pytest_gpumem.measurement.size import PER_RANK, FloorResult, SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 from pytest_gpumem.sampling.sites import Site
 
@@ -147,3 +147,9 @@ def test_gpumem_diff_of_a_recorded_report_against_one_written_now(tmp_path, caps
     assert json.loads(new.read_text())["schema"] == SCHEMA
     assert cli.main(["diff", str(DATA / "record_torch_ddp.json"), str(new)]) == 0
     assert "gpumem diff: " in capsys.readouterr().out
+
+
+def test_every_per_rank_field_is_written_where_its_declaration_places_it():
+    size = json.loads(json.dumps(report_document([full_record()])))["tests"][0]["sizes"][0]
+    assert {key for f in PER_RANK for key in (f.json, f.methods) if key} <= set(size)
+    assert {f.name for f in PER_RANK} <= {f.name for f in dataclasses.fields(SizeResult)}

@@ -3,7 +3,7 @@
 from pytest_gpumem.launching.launch import LaunchResult
 from pytest_gpumem.launching.rank_groups import merged, rank_groups
 from pytest_gpumem.launching.runs import SizeRun
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.measurement.size import SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 
 
@@ -30,7 +30,8 @@ def test_the_groups_merge_into_one_run_of_the_worlds_size_on_one_time_axis_and_s
     run = merged([group((0,), [100.0], 5.0), group((1,), [300.0], 6.0), group((2,), [200.0], 4.0)], 1)
     assert run.result.world_size == 8 and run.result.simulated == (0, 1, 2)
     assert {r: p.mib for r, p in run.result.peaks.items()} == {0: 100.0, 1: 300.0, 2: 200.0}
-    assert run.result.gated("all") == ("rank 1 (largest)", 300.0)
+    reading = gated_reading(run.result, "all")
+    assert (reading.label, reading.mib) == ("rank 1 (largest)", 300.0)
     assert [t for t, _ in run.result.timeline] == [1.0, 6.0, 12.0]  # each group after the ones before
     assert run.result.duration_s == 15.0
     assert run.notes == ["same note", "nproc=8: its 3 simulated ranks ran 1 at a time (each alone on one of 1 "

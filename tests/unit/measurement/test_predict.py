@@ -315,7 +315,7 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
 
 
 def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
-    from pytest_gpumem.gate import explain_failure
+    from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.launching.launch import LaunchResult
     from pytest_gpumem.launching.runner import SizeRun, TestRun
 

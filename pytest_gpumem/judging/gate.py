@@ -7,23 +7,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Callable, Sequence
 
-from .config.settings import Settings
-from .config.spec import Spec, Tolerance
-from .judging import audit
-from .judging import growth as growth_mod
-from .judging.assemble import build
-from .judging.baseline import BaselineError, BaselineStore, Entry
-from .judging.explain import higher_rank, provenance_diff, timeline_lines
-from .judging.record import BaselineChange, Cause, Status, TestRecord
-from .judging.verdict import BaselineRef, Verdict, judge
-from .launching.runner import TestRun
-from .measurement.provenance import CONFIG_PREFIX, config_provenance
-from .measurement.size import ALLOCATED, SizeResult
-from .sampling.allocations import is_allocation_method
-from .sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
-from .sampling.sites import from_dicts
+from ..config.settings import Settings
+from ..config.spec import Spec, Tolerance
+from ..launching.runs import TestRun
+from ..measurement.provenance import CONFIG_PREFIX, config_provenance
+from ..measurement.size import ALLOCATED
+from ..sampling.allocations import is_allocation_method
+from ..sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
+from . import audit
+from . import growth as growth_mod
+from .assemble import build
+from .baseline import BaselineError, BaselineStore, Entry
+from .explain import explain_failure, hardware_change, provenance_diff
+from .growth import grown_sites
+from .record import BaselineChange, Cause, Status, TestRecord
+from .verdict import BaselineRef, Verdict, judge
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Gate:
                                    spec.allocated_tolerance.resolve(exact=True), e.ranks, e.allocated_ranks,
                                    e.gated_rank)
                     for n, e in stored.items()}
-            verdict = judge(spec, test.results, refs, tuple(notes))
+            verdict = judge(spec, test.results, refs, tuple(notes), test.readings)
             if self.settings.refresh:
                 try:
                     changes = self._refresh(test)
@@ -136,9 +136,7 @@ class Gate:
             changed = list(dict.fromkeys(config + hardware_change(entry, test.provenance) + declared))
         grown = grown_sites(test, verdict, stored) if verdict is not None and not verdict.passed else None
         status = _status(test, verdict, problems)
-        if status == "failed" and cause is None:
-            cause = "limit"
-        rec = build(test, verdict, status, cause=cause if status == "failed" else None,
+        rec = build(test, verdict, status, cause=(cause or "limit") if status == "failed" else None,
                     baselines={n: e.gated_mib for n, e in stored.items()},
                     allocated_baselines={n: e.allocated_mib for n, e in stored.items() if e.allocated_mib is not None},
                     changes=[BaselineChange(n, old.gated_mib if old else None, new.gated_mib)
@@ -170,7 +168,7 @@ class Gate:
                 continue
             platform = result.platform
             entry = self.store.lookup(test.test_id, platform, result.world_size)
-            measured = _gated_method(result, test.spec.rank)
+            measured = test.readings[result.world_size].method
             if entry is None:
                 missing.append(result.world_size)
                 continue
@@ -206,7 +204,7 @@ class Gate:
         result = next((r for r in test.results if r.world_size == world_size and not r.predicted), None)
         if result is None or result.device != "cpu" or entry.device != "cpu":
             return tolerance.resolve(exact=False), None  # a GPU's device figure moves between launches
-        if not is_allocation_method(_gated_method(result, test.spec.rank)):
+        if not is_allocation_method(test.readings[world_size].method):
             return tolerance.resolve(exact=False), None  # a resident set wanders with the page cache
         here, there = test.provenance.get("cpu_model"), entry.provenance.get("cpu_model")
         if not (here and there):
@@ -231,7 +229,7 @@ class Gate:
                 found = self.store.lookup(test.test_id, fake_platform, result.world_size)
             except BaselineError:
                 return []  # the file's problem is reported where it is judged
-            _, real, _ = result.read(test.spec.rank, "allocated")
+            _, real, _ = test.readings[result.world_size].allocated
             if found is None or found.allocated_mib is None or real is None:
                 continue
             fake = found.allocated_mib
@@ -247,7 +245,7 @@ class Gate:
         """Sizes neither launched, simulated nor predicted: shown always; where nothing above
         nproc=1 was gated, a failure in CI (gpumem_unlaunched), since a regression there would pass."""
         text = "; ".join(f"nproc={n} not launched: {why}" for n, why in sorted(test.unlaunched.items()))
-        gated = any(r.world_size > 1 and r.gated(test.spec.rank)[1] is not None for r in test.results)
+        gated = any(n > 1 and reading.mib is not None for n, reading in test.readings.items())
         if not gated and self.settings.fail_on_unlaunched:
             return Findings(problems=(f"gpumem: nothing above nproc=1 was gated: {text} (fails when CI is set; "
                                       "gpumem_unlaunched=warn accepts it, simulate='auto' runs torch sizes as a "
@@ -267,21 +265,21 @@ class Gate:
         provenance = {**host_provenance(os.environ), **test.provenance}
         by_platform: dict[str, dict[int, Entry]] = {}  # a simulated size is filed apart from real ones
         for result in test.results:
-            _, gated = result.gated(spec.rank)
+            reading = test.readings[result.world_size]
+            gated, rank = reading.mib, reading.rank
             if result.world_size not in spec.nproc or gated is None or result.predicted:
                 continue  # a predicted figure is never stored as a measurement
             entries = by_platform.setdefault(result.platform, {})
-            rank = result.gated_rank(spec.rank)
-            _, allocated, figure = result.read(spec.rank, ALLOCATED)
+            _, allocated, figure = reading.allocated
             reserved = result.allocated.get(rank) if rank is not None else None
             sites = growth_mod.stored_sites(result.sites.get(rank, ())) if rank is not None else []
-            every = spec.rank == "all"  # each rank is judged against its own figure: keep them all
+            every = reading.every  # each rank is judged against its own figure: keep them all
             entries[result.world_size] = Entry(
                 gated_mib=gated,
                 ranks={r: p.mib for r, p in result.peaks.items() if p.mib is not None},
                 rank=spec.rank,
                 device=result.device,
-                method=_gated_method(result, spec.rank),
+                method=reading.method,
                 provenance=provenance,
                 allocated_mib=allocated if figure == ALLOCATED else None,
                 reserved_mib=reserved.reserved_mib if reserved is not None else None,
@@ -321,128 +319,6 @@ def sites_wanted(test: TestRun, outcome: Outcome) -> set[int]:
     return {n for n in wanted if by_size[n].device == "gpu" and not by_size[n].sites}
 
 
-def sites_size(verdict: Verdict, launched: Mapping[int, Any]) -> int:
-    """The size whose grown sites explain the failure: the headline's (the check furthest over its
-    limit), else the largest failing size launched (a predicted failure), else the largest launched."""
-    failing = [verdict.worst.world_size, *sorted({c.world_size for c in verdict.failures}, reverse=True)]
-    return next((n for n in failing if n in launched), max(launched, default=0))
-
-
-def grown_sites(test: TestRun, verdict: Verdict, stored: dict[int, Entry]) -> growth_mod.Growth | None:
-    """The gated rank's peak sites that grew at the failing size: against the ratio's reference (nproc=1
-    unless the marker names one) for a scaling failure, against the baseline's sites for a baseline
-    failure (see judging/growth.py)."""
-    by_size = {r.world_size: r for r in test.results if not r.predicted}
-    if not by_size or not verdict.failures:
-        return None
-    size = sites_size(verdict, by_size)
-    result = by_size[size]
-    kinds = {c.kind for c in verdict.failures if c.world_size == size}
-    entry = stored.get(size)
-    if test.spec.rank == "all" and "baseline" in kinds and entry is not None:
-        own = _most_grown_rank(result, entry)
-        if own is not None:
-            return own
-    rank = result.gated_rank(test.spec.rank)
-    new = result.sites.get(rank) if rank is not None else None
-    if not new:
-        return None
-    ref = test.spec.reference
-    one = by_size.get(ref)
-    if "baseline" in kinds and entry is not None and entry.sites:
-        return _against_baseline(entry, new)
-    # The same rank at the reference; for rank="all" the reference's largest (a relaunch records it).
-    ref_rank = one.gated_rank(test.spec.rank) if one is not None else None
-    if size > ref and one is not None and ref_rank is not None and one.sites.get(ref_rank):
-        against = f"nproc={ref}" if ref_rank == rank else f"rank {ref_rank} (largest) at nproc={ref}"
-        return growth_mod.site_growth(one.sites[ref_rank], new, against)
-    if entry is not None and entry.sites:
-        return _against_baseline(entry, new)
-    return None
-
-
-def _against_baseline(entry: Entry, new: tuple, rank: int | None = None) -> growth_mod.Growth:
-    old = from_dicts(entry.sites if rank is None else entry.sites_of(rank))
-    complete = sum(not s.internal for s in old) < growth_mod.STORED  # else smaller sites were cut
-    against = "the baseline" if rank is None else f"the baseline of rank {rank}"
-    growth = growth_mod.site_growth(old, new, against, old_complete=complete)
-    return growth if rank is None else replace(growth, of=f"rank {rank}")
-
-
-def _most_grown_rank(result: SizeResult, entry: Entry) -> growth_mod.Growth | None:
-    """Under rank="all", the sites of the rank that grew most over its own stored figure (the
-    allocator's where both have it), against its own stored sites: a middle pipeline stage's line,
-    not the largest rank's."""
-    def growth(rank: int) -> float:
-        now, then = result.allocated.get(rank), entry.allocated_ranks.get(rank)
-        if now is not None and then is not None:
-            return now.mib - then
-        peak = result.peaks.get(rank)
-        return (peak.mib or 0.0) - entry.ranks[rank] if peak is not None and rank in entry.ranks else float("-inf")
-
-    ranks = [r for r in result.sites if result.sites[r] and entry.sites_of(r)]
-    if not ranks:
-        return None
-    rank = max(ranks, key=lambda r: (growth(r), -r))
-    return _against_baseline(entry, result.sites[rank], rank)
-
-
-def explain_failure(test: TestRun, verdict: Verdict, changed: list[str], stored: dict[int, Entry],
-                    grown: growth_mod.Growth | None = None) -> str:
-    """The failed limits; the peak sites that grew (the line that holds the memory); the verdict;
-    what differs from the baseline's provenance (the machine first); when each rank peaked; the
-    new nn.Graph boxing; where the torch snapshots are."""
-    sites: list[str] = []
-    if grown is not None and (grown.grown or grown.summary()):
-        size = sites_size(verdict, {r.world_size: r for r in test.results if not r.predicted})
-        if grown.of:  # rank="all": the rank that grew most over its own baseline
-            sites.append(f"  peak sites of {grown.of} at nproc={size} that grew since its baseline:")
-        elif test.spec.rank == "all":  # the largest rank, which may not be the reference's
-            label = next((c.rank_label for c in verdict.failures if c.world_size == size), "the largest rank")
-            sites.append(f"  peak sites of {label} at nproc={size} that grew since {grown.against}:")
-        else:
-            sites.append(f"  peak sites that grew since {grown.against} (rank {test.spec.rank}, nproc={size}):")
-        sites.extend(f"    {line}" for line in grown.lines())
-    if not changed:
-        driver = hardware_change(next(iter(stored.values())), test.provenance) if stored else []
-        changed = driver
-    lead: list[str] = []  # what changed, right under the headline: often the whole answer
-    if changed:
-        lead.append(f"  changed since the baseline: {changed[0]}")
-        lead.extend(f"    {line}" for line in changed[1:])
-        if any(line.startswith(("nvidia_driver", "cuda_driver", "torch_cuda")) for line in changed):
-            lead.append("    (the CUDA context, part of every rank's device figure, changes size with the driver: "
-                        "compare the floor; if the job's own part did not move, refresh the baseline here)")
-    failing = {check.world_size for check in verdict.failures}
-    lines = [verdict.render(lead + audit.eager_section(test, failing, stored) + higher_rank(verdict, test.spec.rank)
-                            + sites)]
-    lines.append("  per-rank peaks over the run:")
-    lines.extend(f"    {line}" for line in timeline_lines(verdict.results, verdict.digits))
-    lines.extend(audit.graph_section(test, verdict, stored))
-    snapshots = [f"    nproc={run.launch.nproc} rank {rank}: {path}" for run in test.runs
-                 if run.launch.nproc in failing for rank, path in sorted(run.snapshots.items())]
-    if snapshots:
-        lines.append("  torch memory snapshots (pytorch.org/memory_viz):")
-        lines.extend(snapshots)
-    if any(check.kind == "baseline" for check in verdict.failures):
-        lines.append(f"  if the growth is intended: `gpumem refresh {test.test_id}` records the new figure; "
-                     "commit the baseline file with the change")
-    return "\n".join(lines)
-
-
-_MACHINE_KEYS = ("cpu_model", "nvidia_driver", "cuda_driver", "torch_cuda")  # read first when a figure moved
-
-
-def hardware_change(entry: Entry, provenance: dict[str, str]) -> list[str]:
-    """``cpu_model AMD EPYC -> Intel Xeon`` lines for the machine facts that differ from the
-    baseline's: listed first, since a figure compared across machines moves with them."""
-    old = entry.provenance
-    return [f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in _MACHINE_KEYS
-            if key in old and old[key] != provenance.get(key)] + [
-        f"{key}: {old[key]} -> {provenance.get(key, '(unknown)')}" for key in sorted(old)
-        if key.startswith("cpu_") and key not in _MACHINE_KEYS and old[key] != provenance.get(key)]
-
-
 def metric(method: str) -> str:
     """What a figure measures: baselines are compared only within one metric."""
     if is_allocation_method(method):
@@ -452,16 +328,21 @@ def metric(method: str) -> str:
     return "gpu memory"  # per-pid, accounting and device figures are all what nvidia-smi shows
 
 
-def _gated_method(result: SizeResult, rank: int | str) -> str:
-    gated = result.gated_rank(rank)
-    peak = result.peaks.get(gated) if gated is not None else None
-    return peak.method if peak is not None else result.methods
-
-
-def _status(test: TestRun, verdict: Verdict | None, problems: list[str]) -> Status:
-    """pytest's word for the test; the cause of a failure is decided beside it."""
+def _status(test: TestRun, verdict: Verdict | None, problems: Sequence[str], unjudged: Status = "passed") -> Status:
+    """pytest's word for the test (``unjudged``: where no limit was given); its cause is decided beside it."""
     if test.skip_reason is not None:
         return "skipped"
-    if problems:
+    if problems or verdict is None or not verdict.passed:
         return "failed"
-    return "passed" if verdict is not None and verdict.passed else "failed"
+    judged = any(check.kind in ("max_mib", "max_ratio", "baseline") for check in verdict.checks)
+    return "passed" if judged else unjudged
+
+
+def measured(test: TestRun) -> tuple[TestRecord, list[str]]:
+    """``gpumem measure``'s record, its limits judged (a program has no baseline), and what to say if it failed."""
+    verdict = judge(test.spec, test.results, readings=test.readings) if test.results and not test.problems else None
+    status = _status(test, verdict, test.problems, unjudged="measured")
+    cause: Cause | None = None if status != "failed" else "crash" if test.problems or verdict is None else "limit"
+    rec = build(test, verdict, status, cause=cause,
+                messages=list(test.problems) + ([test.skip_reason] if test.skip_reason else []))
+    return rec, list(rec.messages) or [str(c) for c in (verdict.failures if verdict else [])]
