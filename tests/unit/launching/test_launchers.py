@@ -36,3 +36,20 @@ def test_no_module_compares_a_launcher_s_name():
     found = [f"{path.relative_to(PACKAGE)}:{n}" for path in PACKAGE.rglob("*.py") if path.parent.name != "config"
              for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
     assert found == [], "ask the Launcher (launching/launcher.py) instead of comparing its name"
+
+
+def test_a_checkout_on_the_path_not_installed_finds_the_launchers_its_pyproject_declares(monkeypatch):
+    """The GPU machine runs the plugin from a checkout (PYTHONPATH=$PWD): no metadata, no entry points."""
+    import importlib.metadata
+
+    from pytest_gpumem.config.spec import LAUNCHER_ENTRY_POINTS
+    from pytest_gpumem.launching import launcher as module
+
+    installed = {p.name: p.value for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)
+                 if p.module.startswith("pytest_gpumem.")}
+    assert {p.name: p.value for p in module._declared()} == installed  # one declaration, read two ways
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(module, "_LOADED", [])
+    monkeypatch.setattr(module, "_REGISTRY", {})
+    monkeypatch.setattr(module, "_BUILT_IN", set())
+    assert module.registered() == sorted(LAUNCHERS)
