@@ -264,7 +264,8 @@ class ParentSide:
 
         verbose = self.config.get_verbosity() >= 1
         running = None
-        if not verbose and not live and terminal.isatty():
+        tty = terminal.isatty() if callable(terminal.isatty) else terminal.isatty  # a bool in older pytest (8.0)
+        if not verbose and not live and tty:
             running = uncaptured(RunningLine(functools.partial(terminal.write, flush=True)))
         return Watch(progress=uncaptured(terminal.write_line) if verbose else None, running=running,
                      echo=terminal.write_line if live else None)
