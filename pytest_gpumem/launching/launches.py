@@ -120,14 +120,16 @@ class Launches:
         elif running is not None:
             running(f"gpumem {label + ' ' if label else ''}{what(world, simulated, plan.fake_gpu)}")
         started = time.perf_counter()
-        if echo is None:
-            run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
-        else:
-            rank = simulated[0] if simulated else 0
-            with Follower(protocol.rank_file(workdir, 0, "log"), echo, f"[rank {rank}] "):
+        try:
+            if echo is None:
                 run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
-        if running is not None:
-            running("")
+            else:
+                rank = simulated[0] if simulated else 0
+                with Follower(protocol.rank_file(workdir, 0, "log"), echo, f"[rank {rank}] "):
+                    run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+        finally:  # erased whatever ends the launch, Ctrl-C included
+            if running is not None:
+                running("")
         if progress is not None:
             failed = run.problems or any(o.outcome == "failed" for o in run.outcomes.values())
             how = "ended" if startup == "probe" else "failed" if failed else "done"  # a probe ends at its setup
