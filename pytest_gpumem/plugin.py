@@ -19,7 +19,7 @@ import pytest
 
 from .config import settings as settings_mod
 from .config.env_names import WORKDIR_ENV
-from .config.spec import LAUNCHER_ENTRY_POINTS, LAUNCHERS, Spec, SpecError, marker_signature, parse_marker
+from .config.spec import LAUNCHERS, Spec, SpecError, launcher_entry_points, marker_signature, parse_marker
 from .rankside.rank import declare_config
 
 if TYPE_CHECKING:
@@ -65,9 +65,7 @@ def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[
     """The launcher names this session accepts: the entry points (the package's own and the installed
     packages'), and those the conftests and plugins give (``pytest_gpumem_launchers``), registered
     until the session ends."""
-    import importlib.metadata
-
-    names = {p.name for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)}
+    names = {p.name for p in launcher_entry_points()}
     given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
     if given:  # the registry (and every launcher module) is imported only where one is added
         from .launching import launcher

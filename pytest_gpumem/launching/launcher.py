@@ -13,13 +13,11 @@ reads those too); the marker and the options then accept its name.
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from ..config.spec import LAUNCHER_ENTRY_POINTS
+from ..config.spec import launcher_entry_points
 from .launch import describe_returncode
 
 if TYPE_CHECKING:
@@ -115,26 +113,11 @@ def _load() -> None:
     """The entry points of the group, the package's own first (once)."""
     if not _LOADED:
         _LOADED.append(True)
-        points = list(importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS))
-        if not any(point.module.split(".")[0] == "pytest_gpumem" for point in points):
-            points += _declared()
+        points = launcher_entry_points()
         for point in sorted(points, key=lambda p: p.module.split(".")[0] != "pytest_gpumem"):
             given = point.load()
             add(given() if isinstance(given, type) else given, f"entry point {point.name} ({point.value})",
                 point.name, built_in=point.module.split(".")[0] == "pytest_gpumem")
-
-
-def _declared() -> list[importlib.metadata.EntryPoint]:
-    """The package's own entry points as its pyproject.toml declares them, for a checkout run from
-    the path without being installed (the GPU machine's ``PYTHONPATH=$PWD`` run), which has no metadata."""
-    try:
-        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    except OSError:  # installed: the metadata has them
-        return []
-    table = re.search(rf'^\[project\.entry-points\."{re.escape(LAUNCHER_ENTRY_POINTS)}"\]\n((?:[^\[\n].*\n|\n)*)',
-                      text, re.M)
-    return [importlib.metadata.EntryPoint(name, value, LAUNCHER_ENTRY_POINTS)
-            for name, value in re.findall(r'^(\w+) = "([\w.]+:\w+)"', table.group(1) if table else "", re.M)]
 
 
 def launcher(name: str) -> Launcher:

@@ -42,13 +42,13 @@ def test_a_checkout_on_the_path_not_installed_finds_the_launchers_its_pyproject_
     """The GPU machine runs the plugin from a checkout (PYTHONPATH=$PWD): no metadata, no entry points."""
     import importlib.metadata
 
-    from pytest_gpumem.config.spec import LAUNCHER_ENTRY_POINTS
+    from pytest_gpumem.config.spec import LAUNCHER_ENTRY_POINTS, launcher_entry_points
     from pytest_gpumem.launching import launcher as module
 
     installed = {p.name: p.value for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)
                  if p.module.startswith("pytest_gpumem.")}
-    assert {p.name: p.value for p in module._declared()} == installed  # one declaration, read two ways
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert {p.name: p.value for p in launcher_entry_points()} == installed  # one declaration, read two ways
     monkeypatch.setattr(module, "_LOADED", [])
     monkeypatch.setattr(module, "_REGISTRY", {})
     monkeypatch.setattr(module, "_BUILT_IN", set())
