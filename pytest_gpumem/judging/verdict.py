@@ -234,11 +234,11 @@ class Verdict:
                 f"  nproc={result.world_size} {result.device} MiB per rank {{{ranks}}} "
                 f"[{result.methods}]{reused}"
             )
-            if result.floor is not None:
-                floor = result.floor
-                split = ", ".join(
-                    f"{r}: {mib(floor.ranks[r], digits)} + {mib(p.mib - floor.ranks[r], digits)}"
-                    for r, p in sorted(result.peaks.items()) if p.mib is not None and r in floor.ranks)
+            floor = result.floor
+            parts = {r: part for r, p in sorted(result.peaks.items())
+                     if floor is not None and (part := floor.split(r, p.mib)) is not None}
+            if floor is not None and parts:
+                split = ", ".join(f"{r}: {mib(base, digits)} + {mib(own, digits)}" for r, (base, own) in parts.items())
                 lines.append(f"    floor + job's own MiB per rank {{{split}}} "
                              f"(floor: an empty job, {floor.describe(result.device, result.world_size)}"
                              f"{floor.label})")

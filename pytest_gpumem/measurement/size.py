@@ -30,6 +30,12 @@ class FloorResult:
         for one measured in this session."""
         return f"; cached, measured {self.cached}" if self.cached else ""
 
+    def split(self, rank: int | None, mib: float | None) -> tuple[float, float] | None:
+        """``mib`` as (this floor, the job's own), where the rank's floor was measured and the figure
+        holds it: a job that never made what the floor holds (no CUDA context) reads below it."""
+        floor = self.ranks.get(rank) if rank is not None else None
+        return None if floor is None or mib is None or mib < floor else (floor, mib - floor)
+
     def describe(self, device: str, world_size: int) -> str:
         parts = ["CUDA context + " if device == "gpu" else ""] + [f"{self.framework} start-up"]
         if world_size > 1:

@@ -33,12 +33,9 @@ def _resident(size: SizeRecord, ranks: Iterable[int]) -> bool:
 
 def floor_split(size: SizeRecord) -> str | None:
     """``612.0 + 1022.0``: the gated rank's figure as floor + the job's own, where a floor was measured."""
-    measured_floor = size.measured.floor
-    floor = (measured_floor.ranks.get(size.gated_rank)
-             if measured_floor is not None and size.gated_rank is not None else None)
-    if floor is None or size.gated_mib is None or size.predicted:
-        return None
-    return f"{floor:.1f} + {size.gated_mib - floor:.1f}"
+    floor = size.measured.floor
+    parts = None if floor is None or size.predicted else floor.split(size.gated_rank, size.gated_mib)
+    return None if parts is None else f"{parts[0]:.1f} + {parts[1]:.1f}"
 
 
 def table(records: Iterable[TestRecord]) -> list[str]:

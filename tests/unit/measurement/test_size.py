@@ -1,7 +1,7 @@
 """Which figure a limit reads off one size: the rank it gates, the figure it falls back to."""
 
 from pytest_gpumem.measurement.predict import MODELS, Fit, Prediction
-from pytest_gpumem.measurement.size import ALLOCATED, DEVICE, HOST, SizeResult, gated_reading
+from pytest_gpumem.measurement.size import ALLOCATED, DEVICE, HOST, FloorResult, SizeResult, gated_reading
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 
 
@@ -41,3 +41,12 @@ def test_a_sizes_gated_reading_holds_the_rank_its_label_and_each_figure():
     assert every.read(ALLOCATED) == ("rank 1 (largest)", 70.0, ALLOCATED) and every.read(DEVICE) == every.device
     one = gated_reading(size, 1)
     assert (one.rank, one.label, one.mib, one.others_mib, one.every) == (1, "rank 1", 90.0, 100.0, False)
+
+
+def test_a_figure_is_split_into_floor_and_job_only_where_it_holds_the_floor():
+    """A CPU job on a GPU machine makes no CUDA context: 3.2 MiB against a 612 MiB floor is no split
+    (the table showed 612.0 + -608.8)."""
+    floor = FloorResult("torch", {0: 612.0})
+    assert floor.split(0, 1000.0) == (612.0, 388.0)
+    assert floor.split(0, 3.2) is None
+    assert floor.split(1, 1000.0) is None and floor.split(None, 1000.0) is None and floor.split(0, None) is None
