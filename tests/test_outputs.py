@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import cli
-from pytest_gpumem.config.spec import Ratio
+from pytest_gpumem.config.spec import Defaults, parse_marker
 from pytest_gpumem.judging import report_diff
-from pytest_gpumem.judging.record import CheckRecord, Limits, SizeRecord, TestRecord
+from pytest_gpumem.judging.record import SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
+from pytest_gpumem.judging.verdict import Check
 from pytest_gpumem.measurement.size import FloorResult, SizeResult
 from pytest_gpumem.presentation import outputs, plots
 from pytest_gpumem.sampling import Peak
@@ -37,7 +38,7 @@ INFLATED = "examples/test_torch_ddp.py::test_torch_ddp_inflated"
 def size(nproc: int, gated: float | None, baseline: float | None = None, *, ratio: float | None = None,
          failed: bool = False, device: str = "gpu", rank: int = 0, largest: bool = False, reused: bool = False,
          method: str = "per-pid sampled") -> SizeRecord:
-    check = CheckRecord("max_ratio", not failed, gated, 1000.0, "over the ratio limit" if failed else "within it")
+    check = Check("max_ratio", nproc, f"rank {rank}", device, gated, 1000.0, not failed, "ratio limit {limit} MiB")
     measured = SizeResult(nproc, device, {r: Peak(gated, method) for r in range(nproc)}, duration_s=1.0,
                           reused=reused, timeline=((0.0, {0: 10.0}), (0.5, {0: gated or 0.0})))
     return SizeRecord(measured, gated_rank=rank, gated_label=f"rank {rank}" + (" (largest)" if largest else ""),
@@ -53,9 +54,9 @@ def rec(test: str, status: str, *sizes: SizeRecord, messages: list[str] | None =
         tolerance: str = "max(5%, 32MiB)", rank: int | str = 0, max_mib: float | None = None) -> TestRecord:
     """``status`` as pytest says it, a failure with its cause: ``failed/limit``, ``xfailed/limit``, ``failed/crash``."""
     status, _, cause = status.partition("/")
-    return TestRecord(test=test, status=status, nproc=tuple(s.nproc for s in sizes) or (2,),
-                      limits=Limits(max_mib=max_mib, max_ratio=Ratio(flat=1.2), allow_mib=16.0, rank=rank,
-                                    tolerance=tolerance),
+    spec = parse_marker((), {"nproc": [s.nproc for s in sizes] or [2], "max_mib": max_mib, "max_ratio": 1.2,
+                             "allow_mib": 16.0, "rank": rank, "tolerance": tolerance}, Defaults())
+    return TestRecord(test=test, status=status, spec=spec,
                       sizes=sizes, messages=tuple(messages or ()), cause=cause or None)
 
 

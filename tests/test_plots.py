@@ -9,13 +9,10 @@ import json
 
 import pytest
 
-from pytest_gpumem.judging.record import (
-    CheckRecord,
-    Limits,
-    SizeRecord,
-    TestRecord,
-)
+from pytest_gpumem.config.spec import Defaults, parse_marker
+from pytest_gpumem.judging.record import SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
+from pytest_gpumem.judging.verdict import Check
 from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.presentation import plots
 from pytest_gpumem.sampling import AllocatedPeak, Peak
@@ -78,14 +75,14 @@ def test_a_passing_and_a_failing_plot_draw_the_gated_figure_up_to_its_reported_p
         assert peaks == [f"peak {s.gated_mib:.1f} MiB (live allocations, rank 0)" for s in record.sizes]
         limits = [text for ax in fig.axes for text in (str(h.get_label()) for h in ax.get_lines())
                   if text.startswith("max_mib")]
-        assert limits == [f"max_mib {record.limits.max_mib:.0f} [live allocations]"] * len(record.sizes)
+        assert limits == [f"max_mib {record.spec.max_mib:.0f} [live allocations]"] * len(record.sizes)
     stored = json.loads(report.read_text())["tests"]
     assert all(size["live_timeline"] for test in stored for size in test["sizes"])
 
 
 def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
-    checks = (CheckRecord("max_mib", True, 14370.0, 20000.0, "", "device"),
-              CheckRecord("baseline", False, 7905.0, 7803.9, "", "allocated"))
+    checks = (Check("max_mib", 1, "rank 0", "gpu", 14370.0, 20000.0, True, "", figure="device"),
+              Check("baseline", 1, "rank 0", "gpu", 7905.0, 7803.9, False, "", figure="allocated"))
     measured = SizeResult(
         1, "gpu", {0: Peak(14370.0, "per-pid sampled")},
         timeline=((0.0, {0: 612.0}), (1.0, {0: 14370.0}), (2.0, {0: 14000.0})),
@@ -93,7 +90,8 @@ def test_on_a_gpu_each_limit_is_drawn_against_the_figure_it_reads():
         live_timeline=((0.5, {0: 100.0}), (1.1, {0: 7905.0}), (1.9, {0: 2000.0})))
     size = SizeRecord(measured, gated_rank=0, gated_label="rank 0", gated_mib=14370.0, checks=checks,
                       allocated_mib=7905.0, allocated_baseline_mib=7765.1)
-    record = TestRecord(test="t.py::test_fsdp", status="failed", cause="limit", nproc=(1,), sizes=(size,))
+    record = TestRecord(test="t.py::test_fsdp", status="failed", cause="limit",
+                        spec=parse_marker((), {"nproc": 1}, Defaults()), sizes=(size,))
     figure, canvas = plots._matplotlib()
     fig = figure()
     canvas(fig)
@@ -111,8 +109,8 @@ def newcomer_size() -> SizeRecord:
     """The newcomer's nproc=1 panel: a 1500 MiB cap far above live figures of 473-538 MiB, a baseline
     and baseline + tolerance 16 MiB apart, RSS up to 1200 MiB running on after the gated curve,
     two ranks whose curves coincide."""
-    checks = (CheckRecord("max_mib", True, 538.0, 1500.0, "", "host"),
-              CheckRecord("baseline", True, 538.0, 560.0, "", "host"))
+    checks = (Check("max_mib", 2, "rank 0", "cpu", 538.0, 1500.0, True, "", figure="host"),
+              Check("baseline", 2, "rank 0", "cpu", 538.0, 560.0, True, "", figure="host"))
     live = tuple((t / 10, {0: 473.0 + 65.0 * (t == 10), 1: 473.0 + 65.0 * (t == 10)}) for t in range(18))
     rss = tuple((t / 10, {0: 600.0 + 30.0 * t, 1: 600.0 + 30.0 * t}) for t in range(21))
     measured = SizeResult(2, "cpu", {0: Peak(538.0, "live allocations (memray)"),
@@ -124,8 +122,8 @@ def newcomer_size() -> SizeRecord:
 
 def test_the_axis_is_scaled_to_what_is_gated_and_a_far_cap_is_marked_at_the_top():
     size = newcomer_size()
-    record = TestRecord(test="t.py::test_lm", status="passed", nproc=(2,), sizes=(size,),
-                        limits=Limits(max_mib=1500.0))
+    record = TestRecord(test="t.py::test_lm", status="passed", sizes=(size,),
+                        spec=parse_marker((), {"nproc": 2, "max_mib": 1500.0}, Defaults()))
     figure, canvas = plots._matplotlib()
     fig = figure(figsize=(13, 4), layout="constrained")
     canvas(fig)

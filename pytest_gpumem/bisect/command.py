@@ -136,7 +136,7 @@ def _bisect(space: Workspace, good: Commit, bad: Commit, commits: list[Commit], 
         raise BadInput(f"GOOD {good.short} is not good: its test fails there too: "
                        f"{(reference.record.messages or ('failed',))[0]}; expected an older GOOD where it passes")
     test = reference.record.test
-    tolerance = args.tolerance or parse_tolerance(reference.record.limits.tolerance)
+    tolerance = args.tolerance or reference.record.spec.tolerance
     latest = space.measure(bad)
     if latest.record is not None and latest.record.test != test:
         latest.problem = f"it ran {latest.record.test}, not {test}"

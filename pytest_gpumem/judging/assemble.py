@@ -10,16 +10,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from ..measurement.size import GatedReading
 from .explain import imbalance, peak_times
 from .growth import Growth
-from .record import (
-    BaselineChange,
-    Cause,
-    CheckRecord,
-    Limits,
-    SizeRecord,
-    Status,
-    TestRecord,
-)
-from .verdict import Verdict, ratio_figures
+from .record import BaselineChange, Cause, SizeRecord, Status, TestRecord
+from .verdict import Check, Verdict, ratio_figures
 
 if TYPE_CHECKING:
     from ..config.spec import Spec
@@ -33,12 +25,9 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
           conversions: Sequence[str] = ()) -> TestRecord:
     """The record of one test, from its run and its verdict: the one place that derives these facts."""
     spec = test.spec
-    checks: dict[int, list[CheckRecord]] = {}
-    digits = verdict.digits if verdict is not None else 1  # the failure text's precision, in every sentence
+    checks: dict[int, list[Check]] = {}
     for check in verdict.checks if verdict is not None else ():
-        checks.setdefault(check.world_size, []).append(
-            CheckRecord(check.kind, check.ok, check.measured_mib, check.limit_mib, check.text(digits),
-                        check.figure, check.advisory, check.own))
+        checks.setdefault(check.world_size, []).append(check)
     sizes = []
     readings = verdict.readings if verdict is not None else test.readings
     for result in test.results:
@@ -65,10 +54,7 @@ def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Caus
     return TestRecord(
         test=test.test_id,
         status=status,
-        nproc=tuple(spec.nproc),
-        launcher=spec.launcher,
-        limits=Limits(spec.max_mib, spec.max_ratio, spec.allow_mib, spec.rank, str(spec.tolerance),
-                      str(spec.allocated_tolerance), spec.reference),
+        spec=spec,
         sizes=tuple(sizes),
         provenance=dict(test.provenance),
         messages=tuple(messages),

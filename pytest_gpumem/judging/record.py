@@ -1,10 +1,11 @@
 """One test's result, typed: what every output renders, and its JSON.
 
 The table, Markdown, JUnit properties, plots, benchmark JSON and ``gpumem diff`` read a
-:class:`TestRecord` and derive nothing themselves: the gated rank is an int, each check carries its
-own limit, each size says whether it failed. :meth:`TestRecord.to_json` is the one writer, versioned
-by :data:`SCHEMA`; it travels to the xdist controller and into ``--gpumem-report`` files.
-:mod:`.record_reader` reads it back; :func:`.assemble.build` makes a record from a run and its verdict.
+:class:`TestRecord` and derive nothing themselves: the gated rank is an int, each check is the verdict's
+own :class:`~.verdict.Check`, each size says whether it failed. Its JSON is declared once, field by field
+(:data:`TEST_FIELDS`, :data:`SIZE_FIELDS`, ...): :func:`write` writes it, versioned by :data:`SCHEMA`,
+to the xdist controller and into ``--gpumem-report`` files, and :mod:`.record_reader` reads it back
+from the same declaration; :func:`.assemble.build` makes a record from a run and its verdict.
 
 A test's outcome is pytest's own word (:data:`Status`), and a failed (or xfailed) test says what
 failed (:data:`Cause`): a limit, a rank, or the baseline.
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
-from ..config.spec import DEFAULT_ALLOCATED_TOLERANCE, DEFAULT_TOLERANCE, Ratio
-from ..measurement.predict import Prediction
-from ..measurement.size import PER_RANK, SizeResult
+from ..config.spec import Spec
+from ..measurement.size import PER_RANK, FloorResult, SizeResult
+from .verdict import DIGITS, Check, digits_to_tell
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
 SCHEMA = 4
@@ -36,33 +38,6 @@ CHECK_KINDS = ("max_mib", "max_ratio", "baseline", "measured", "uncounted")
 
 class ReportError(ValueError):
     """A record or report that cannot be read; the message names the file, the field and what is accepted."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the marker asked for (the marker's own values; ``tolerance`` as written)."""
-
-    max_mib: float | None = None
-    max_ratio: Ratio | None = None
-    allow_mib: float = 0.0
-    rank: int | str = 0  # an int, or "all": the largest rank
-    tolerance: str = str(DEFAULT_TOLERANCE)
-    allocated_tolerance: str = str(DEFAULT_ALLOCATED_TOLERANCE)
-    reference: int = 1  # the world size the ratio is taken against
-
-
-@dataclass(frozen=True)
-class CheckRecord:
-    """One limit judged at one size: ``text`` is the sentence the user reads."""
-
-    kind: str  # one of CHECK_KINDS
-    ok: bool
-    measured_mib: float | None
-    limit_mib: float | None
-    text: str
-    figure: str = ""  # "device" (NVML), "allocated" (the GPU allocator's), "host"; "" in older reports
-    advisory: bool = False  # a not-validated prediction: shown, never failing
-    own: bool = False  # rank="all": another rank than the gated one, held to its own stored figure
 
 
 @dataclass(frozen=True)
@@ -112,7 +87,7 @@ class SizeRecord:
     gated_rank: int | None  # None: rank="all" with nothing measured
     gated_label: str  # "rank 0", "rank 3 (largest)"
     gated_mib: float | None
-    checks: tuple[CheckRecord, ...] = ()
+    checks: tuple[Check, ...] = ()
     ratio: float | None = None  # the ratio limit's figure over its value at the reference size
     ratio_figure: str = ""  # which figure the ratio is of: "allocated" on a GPU with torch, else the gated one
     baseline_mib: float | None = None
@@ -155,7 +130,7 @@ class SizeRecord:
         prediction = self.measured.prediction
         return "" if prediction is None else prediction.describe()
 
-    def limits(self) -> list[CheckRecord]:
+    def limits(self) -> list[Check]:
         """The gated rank's checks that carry a limit in MiB (what a plot draws as lines; under
         rank="all" the other ranks' own baselines are not its limits)."""
         return [check for check in self.checks if check.limit_mib is not None and not check.own]
@@ -170,15 +145,14 @@ class BaselineChange:
 
 @dataclass(frozen=True)
 class TestRecord:
-    """Everything about one gpumem test that outlives the process."""
+    """Everything about one gpumem test that outlives the process. ``spec`` is the marker's; one read
+    back from JSON holds what a report carries (the limits, nproc, the launcher), the rest at its defaults."""
 
     __test__ = False  # not a pytest test class, whatever its name
 
     test: str
     status: Status
-    nproc: tuple[int, ...]
-    launcher: str = "direct"
-    limits: Limits = Limits()
+    spec: Spec
     sizes: tuple[SizeRecord, ...] = ()
     provenance: Mapping[str, str] = field(default_factory=dict)
     messages: tuple[str, ...] = ()
@@ -193,6 +167,14 @@ class TestRecord:
     conversions: tuple[str, ...] = ()
     cause: Cause | None = None  # where status is failed or xfailed
 
+    @property
+    def nproc(self) -> tuple[int, ...]:
+        return self.spec.nproc
+
+    @property
+    def launcher(self) -> str:
+        return self.spec.launcher
+
     def with_status(self, status: Status, cause: Cause | None = None) -> TestRecord:
         """The record under pytest's final word (``xfailed``, ``xpassed``); a failure keeps its cause."""
         return replace(self, status=status, cause=(cause or self.cause) if status in FAILED else None)
@@ -204,8 +186,6 @@ class TestRecord:
     def digits(self) -> int:
         """Decimals of this test's MiB figures wherever they are shown: enough that each failed
         comparison reads apart (``505.44 > 505.38``), as in its failure text."""
-        from .verdict import DIGITS, digits_to_tell
-
         return max((digits_to_tell(c.measured_mib, c.limit_mib) for size in self.sizes for c in size.checks
                     if not c.ok and c.measured_mib is not None and c.limit_mib is not None), default=DIGITS)
 
@@ -225,33 +205,65 @@ class TestRecord:
             return "ok"
         return self.verdict
 
-    # ------------------------------------------------------------------ JSON
-
     def to_json(self) -> dict[str, Any]:
-        return {
-            "test": self.test,
-            "status": self.status,
-            "cause": self.cause,
-            "nproc": list(self.nproc),
-            "launcher": self.launcher,
-            "limits": {"max_mib": self.limits.max_mib, "max_ratio": (None if self.limits.max_ratio is None
-                                                                    else self.limits.max_ratio.to_json()),
-                       "allow_mib": self.limits.allow_mib, "rank": self.limits.rank,
-                       "tolerance": self.limits.tolerance, "allocated_tolerance": self.limits.allocated_tolerance,
-                       "reference": self.limits.reference},
-            "sizes": [_size_json(s) for s in self.sizes],
-            "provenance": dict(self.provenance),
-            "messages": list(self.messages),
-            "notes": list(self.notes),
-            "baseline_changes": [[c.nproc, c.old_mib, c.new_mib] for c in self.baseline_changes],
-            "changed_since_baseline": list(self.changed_since_baseline),
-            "grown_sites": [{"site": c.label, "old_mib": round(c.old_mib, 3), "new_mib": round(c.new_mib, 3),
-                             **({"called_from": list(c.callers), "chains": c.chains} if c.callers else {})}
-                            for c in self.grown_sites],
-            "grown_against": self.grown_against,
-            "sites_summary": self.sites_summary,
-            "conversions": list(self.conversions),
-        }
+        return write(self, TEST_FIELDS, self.digits)
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a record's JSON, declared once for :func:`write` and :mod:`.record_reader`: the
+    attribute it holds (dotted from the object written: ``measured.world_size``) and its kind, which
+    says how the value is written and how it is read back and checked."""
+
+    json: str
+    attr: str
+    kind: str
+    methods: str = ""  # a map of Peaks: the key of how each figure was taken, beside the figures
+
+
+def _per_rank_placed(fields: tuple[Field, ...]) -> tuple[Field, ...]:
+    """``fields`` with each per-rank field of a size (``measurement.size.PER_RANK``) after the key it
+    follows: the one it names, else the per-rank field above it."""
+    after: defaultdict[str, list[Field]] = defaultdict(list)
+    anchor = ""
+    for f in PER_RANK:
+        anchor = f.after or anchor
+        after[anchor].append(Field(f.json, f"measured.{f.name}", f.kind, f.methods))
+    return tuple(placed for f in fields for placed in (f, *after[f.json]))
+
+
+# A kind is a per-rank one (measurement.size.Kind) or one of these: "string", "number", "flag", ...
+LIMIT_FIELDS = tuple(Field(key, key, kind) for key, kind in (
+    ("max_mib", "number"), ("max_ratio", "ratio"), ("allow_mib", "number"), ("rank", "rank"),
+    ("tolerance", "tolerance"), ("allocated_tolerance", "tolerance"), ("reference", "reference")))
+# "text" is the sentence at the test's digits; "making", "reference_mib" and "rank_label" rebuild the Check
+CHECK_FIELDS = tuple(Field(key, key, kind) for key, kind in (
+    ("kind", "check kind"), ("ok", "flag"), ("measured_mib", "number"), ("limit_mib", "number"),
+    ("text", "sentence"), ("figure", "string"), ("advisory", "flag"), ("own", "flag"), ("making", "string"),
+    ("reference_mib", "number"), ("rank_label", "string")))
+SIZE_FIELDS = _per_rank_placed(tuple(Field(key, attr or key, kind) for key, attr, kind in (
+    ("nproc", "measured.world_size", "world size"), ("device", "measured.device", "string"),
+    ("platform", "measured.platform", "string"), ("gated_rank", "", "rank or null"), ("gated_label", "", "string"),
+    ("gated_mib", "", "number"), ("checks", "", "checks"),
+    ("failed", "", "derived"),  # from the checks: one flag for a script reading the report
+    ("ratio", "", "number"), ("ratio_figure", "", "string"), ("baseline_mib", "", "number"),
+    ("others_max_mib", "", "number"), ("floor", "measured.floor", "floor"), ("peak_at_s", "", "seconds"),
+    ("imbalance", "", "number"), ("duration_s", "measured.duration_s", "duration"),
+    ("start", "measured.start", "string"), ("reused", "measured.reused", "flag"),
+    ("predicted", "measured.prediction", "prediction"),
+    ("allocated_predicted", "measured.allocated_prediction", "prediction"),
+    ("simulated", "measured.simulated", "ranks"), ("fake_gpu", "measured.fake_gpu", "string"),
+    ("allocated_mib", "", "number"), ("allocated_baseline_mib", "", "number"))))
+TEST_FIELDS = tuple(Field(key, attr or key, kind) for key, attr, kind in (
+    ("test", "", "test id"), ("status", "", "status"), ("cause", "", "cause"), ("nproc", "spec.nproc", "nproc"),
+    ("launcher", "spec.launcher", "launcher"), ("limits", "spec", "limits"), ("sizes", "", "sizes"),
+    ("provenance", "", "provenance"), ("messages", "", "lines"), ("notes", "", "lines"),
+    ("baseline_changes", "", "baseline changes"), ("changed_since_baseline", "", "lines"),
+    ("grown_sites", "", "grown sites"), ("grown_against", "", "string"), ("sites_summary", "", "string"),
+    ("conversions", "", "lines")))
 
 
 def _keyed(values: Mapping[int, Any], convert: Callable[[Any], Any] = lambda v: v) -> dict[str, Any]:
@@ -262,68 +274,47 @@ def _timeline(points: tuple[tuple[float, Mapping[int, float]], ...]) -> list[Any
     return [[round(t, 4), _keyed(point, lambda v: round(v, 2))] for t, point in points]
 
 
-def _prediction(prediction: Prediction | None) -> dict[str, Any] | None:
-    return None if prediction is None else prediction.as_dict()
+def _site_change(c: SiteChange) -> dict[str, Any]:
+    return {"site": c.label, "old_mib": round(c.old_mib, 3), "new_mib": round(c.new_mib, 3),
+            **({"called_from": list(c.callers), "chains": c.chains} if c.callers else {})}
 
 
-def _size_json(s: SizeRecord) -> dict[str, Any]:
-    m = s.measured
-    floor = m.floor
-    placed = _per_rank_json(m)  # the per-rank fields (measurement.size.PER_RANK), by the key each follows
-    return {
-        "nproc": s.nproc,
-        "device": s.device,
-        "platform": m.platform,
-        "gated_rank": s.gated_rank,
-        "gated_label": s.gated_label,
-        "gated_mib": s.gated_mib,
-        **placed["gated_mib"],
-        "checks": [{"kind": c.kind, "ok": c.ok, "measured_mib": c.measured_mib, "limit_mib": c.limit_mib,
-                    "text": c.text, "figure": c.figure, "advisory": c.advisory, "own": c.own} for c in s.checks],
-        "failed": s.failed,  # derived from the checks: one flag for a script reading the report
-        "ratio": s.ratio,
-        "ratio_figure": s.ratio_figure,
-        "baseline_mib": s.baseline_mib,
-        "others_max_mib": s.others_max_mib,
-        **placed["others_max_mib"],
-        "floor": None if floor is None else {"framework": floor.framework, "what": floor.describe(s.device, s.nproc),
-                                             "ranks": _keyed(floor.ranks, lambda v: round(v, 1)),
-                                             "cached": floor.cached},
-        "peak_at_s": _keyed(s.peak_at_s),
-        "imbalance": s.imbalance,
-        "duration_s": round(m.duration_s, 3),
-        "start": m.start,
-        "reused": m.reused,
-        **placed["reused"],
-        "predicted": _prediction(m.prediction),
-        "allocated_predicted": _prediction(m.allocated_prediction),
-        "simulated": list(m.simulated),
-        "fake_gpu": m.fake_gpu,
-        **placed["fake_gpu"],
-        "allocated_mib": s.allocated_mib,
-        "allocated_baseline_mib": s.allocated_baseline_mib,
-        **placed["allocated_baseline_mib"],
-    }
+def _floor(floor: FloorResult | None, s: SizeRecord) -> dict[str, Any] | None:
+    return None if floor is None else {"framework": floor.framework, "what": floor.describe(s.device, s.nproc),
+                                       "ranks": _keyed(floor.ranks, lambda v: round(v, 1)), "cached": floor.cached}
 
 
-_WRITE: dict[str, Callable[[Any], Any]] = {  # a per-rank field's value by its kind (measurement.size.Kind)
-    "peak": lambda peaks: _keyed(peaks, lambda p: p.mib), "mib": lambda v: _keyed(v, lambda mib: round(mib, 1)),
+# A value's JSON by its kind; a kind named in neither table is written as it is.
+_WRITE: dict[str, Callable[[Any], Any]] = {
+    "nproc": list, "lines": list, "sorted lines": list, "ranks": list, "provenance": dict, "tolerance": str,
+    "ratio": lambda v: None if v is None else v.to_json(), "seconds": _keyed, "duration": lambda v: round(v, 3),
+    "baseline changes": lambda v: [[c.nproc, c.old_mib, c.new_mib] for c in v],
+    "grown sites": lambda v: [_site_change(c) for c in v],
+    "prediction": lambda v: None if v is None else v.as_dict(),
+    # the per-rank kinds (measurement.size.Kind)
+    "peak": lambda v: _keyed(v, lambda p: p.mib), "mib": lambda v: _keyed(v, lambda mib: round(mib, 1)),
     "text": _keyed, "sites": lambda v: _keyed(v, lambda sites: [site.as_dict() for site in sites]),
     "allocated": lambda v: _keyed(v, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
         None if a.reserved_mib is None else round(a.reserved_mib, 2))}),
-    "curve": _timeline, "lines": list, "sorted lines": list}
+    "curve": _timeline}
+# The kinds written from (the value, the object that holds it, the test's digits).
+_WRITE_IN_PLACE: dict[str, Callable[[Any, Any, int], Any]] = {
+    "limits": lambda spec, _, digits: write(spec, LIMIT_FIELDS, digits),
+    "sizes": lambda sizes, _, digits: [write(s, SIZE_FIELDS, digits) for s in sizes],
+    "checks": lambda checks, _, digits: [write(c, CHECK_FIELDS, digits) for c in checks],
+    "sentence": lambda _, check, digits: check.text(digits), "floor": lambda floor, size, _: _floor(floor, size)}
 
 
-def _per_rank_json(m: SizeResult) -> defaultdict[str, dict[str, Any]]:
-    """Each per-rank field's keys, grouped by the key they follow (that of the field above, unless named)."""
-    placed: defaultdict[str, dict[str, Any]] = defaultdict(dict)
-    anchor = ""
-    for f in PER_RANK:
-        anchor, value = f.after or anchor, getattr(m, f.name)
-        placed[anchor][f.json] = _WRITE[f.kind](value)
+def write(obj: Any, fields: tuple[Field, ...], digits: int) -> dict[str, Any]:
+    """``obj``'s JSON object: each declared field in order, as its kind writes it."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        value = attrgetter(f.attr)(obj)
+        out[f.json] = (_WRITE_IN_PLACE[f.kind](value, obj, digits) if f.kind in _WRITE_IN_PLACE
+                       else _WRITE.get(f.kind, lambda v: v)(value))
         if f.methods:  # side by side: a rank's figure, and how it was measured
-            placed[anchor][f.methods] = _keyed(value, lambda p: p.method)
-    return placed
+            out[f.methods] = _keyed(value, lambda p: p.method)
+    return out
 
 
 def report_document(records: Iterable[TestRecord]) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def _tolerance_of(old: tuple[TestRecord, SizeRecord], new: tuple[TestRecord, Siz
     if override is not None:
         return override
     (old_rec, old_size), (new_rec, new_size) = old, new
-    tolerance = parse_tolerance(new_rec.limits.tolerance)
+    tolerance = new_rec.spec.tolerance
     cpu = new_rec.provenance.get("cpu_model")
     exact = (new_size.device == "cpu" and bool(cpu) and cpu == old_rec.provenance.get("cpu_model")
              and all(_live(size) for size in (old_size, new_size)))
@@ -126,7 +126,7 @@ def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | No
     before, after = old_size.allocated_mib, new_size.allocated_mib
     if before is None or after is None:
         return None
-    tolerance = parse_tolerance(new_rec.limits.allocated_tolerance).resolve(exact=True)
+    tolerance = new_rec.spec.allocated_tolerance.resolve(exact=True)
     kind, allowance = against_reference(after, before, tolerance)
     sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
     return DiffRow(key[0], key[1], before, after, kind, allowance, str(tolerance), new_size.device, sites,

@@ -116,7 +116,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
 
 def _against(record: TestRecord) -> str:
     """`` to nproc=2`` where the ratio is not taken against nproc=1 (the column's default)."""
-    return "" if record.limits.reference == 1 else f" to nproc={record.limits.reference}"
+    return "" if record.spec.reference == 1 else f" to nproc={record.spec.reference}"
 
 
 def _indent(text: str) -> str:
@@ -239,7 +239,7 @@ def _fake_gpu_footnote(record: TestRecord) -> str:
 
 def benchmark_name(record: TestRecord, nproc: int) -> str:
     """Stable across runs (the series key): the configured gated rank, not the one that peaked."""
-    return f"{record.test} nproc={nproc} rank {record.limits.rank}"
+    return f"{record.test} nproc={nproc} rank {record.spec.rank}"
 
 
 def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
@@ -256,7 +256,7 @@ def benchmark_json(records: Iterable[TestRecord]) -> list[dict[str, Any]]:
                 continue  # a chart of measurements: a predicted figure is not one
             extra = [size.device, size.gated_method or "method unknown", size.gated_label]
             if size.ratio is not None:
-                extra.append(f"ratio {size.ratio:.2f}x to nproc={rec.limits.reference}")
+                extra.append(f"ratio {size.ratio:.2f}x to nproc={rec.spec.reference}")
             if size.baseline_mib is not None:
                 extra.append(f"baseline {size.baseline_mib:.1f} MiB")
             extra.append(f"verdict {rec.size_verdict(size)}")
@@ -284,7 +284,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         ("gpumem_nproc", ",".join(map(str, record.nproc))),
         ("gpumem_device", ",".join(devices) or "-"),
         ("gpumem_method", ",".join(methods) or "-"),
-        ("gpumem_rank", str(record.limits.rank)),
+        ("gpumem_rank", str(record.spec.rank)),
         *[(f"gpumem_conversion_{i}", line) for i, line in enumerate(record.conversions, 1)],
     ]
     for size in record.sizes:

@@ -72,13 +72,12 @@ _FIGURE_NAME = {"device": "device figure", "allocated": "allocated", "host": "li
 
 
 def _limit_label(record: TestRecord, kind: str, limit: float, figure: str, nproc: int) -> str:
-    limits = record.limits
     of = f" [{_FIGURE_NAME[figure]}]" if figure in _FIGURE_NAME else ""
     if kind == "max_mib":
         return f"max_mib {limit:.0f}{of}"
-    cap = limits.max_ratio.at(nproc) if limits.max_ratio is not None else None
+    cap = record.spec.max_ratio.at(nproc) if record.spec.max_ratio is not None else None
     if kind == "max_ratio" and cap is not None:
-        return (f"ratio limit {cap:.2f} x nproc={limits.reference} + {limits.allow_mib:.0f} "
+        return (f"ratio limit {cap:.2f} x nproc={record.spec.reference} + {record.spec.allow_mib:.0f} "
                 f"= {limit:.0f}{of}")
     return f"baseline + tolerance = {limit:.0f}{of}"
 
@@ -133,7 +132,7 @@ def y_scale(values: Iterable[float], limits: Iterable[float]) -> tuple[float | N
 
 def _size_title(record: TestRecord, size: SizeRecord) -> str:
     verdict = "FAIL" if size.failed else "ok"
-    ratio = "" if size.ratio is None else f", {size.ratio:.2f}x nproc={record.limits.reference}"
+    ratio = "" if size.ratio is None else f", {size.ratio:.2f}x nproc={record.spec.reference}"
     if size.predicted:
         return (f"nproc={size.nproc} ({size.device} memory): PREDICTED, not launched: "
                 f"{size.gated_label} {size.gated_mib or 0:.1f} MiB{ratio} — {verdict}\n{size.basis}")

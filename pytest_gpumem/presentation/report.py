@@ -72,7 +72,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
                 _mib(size.others_max_mib, digits) + (" VmHWM" if others_rss else ""),
                 "-" if size.ratio is None else f"{size.ratio:.2f}x" + (" alloc" if size.ratio_figure == "allocated"
                                                                        else "")
-                + ("" if rec.limits.reference == 1 else f" /{rec.limits.reference}"),
+                + ("" if rec.spec.reference == 1 else f" /{rec.spec.reference}"),
                 _mib(size.baseline_mib, digits),
                 size.device,
                 rec.size_verdict(size),
@@ -83,7 +83,7 @@ def table(records: Iterable[TestRecord]) -> list[str]:
     if any(rec.unlisted(size) for rec in records for size in rec.sizes):
         out.append("ref: not in the marker's nproc, launched because max_ratio is taken against it; a job that "
                    "cannot run there names a listed size as its reference (reference=2)")
-    if any(rec.limits.reference != 1 for rec in records):
+    if any(rec.spec.reference != 1 for rec in records):
         out.append("/N: the ratio is taken against nproc=N, the reference the marker names")
     by_allocator = [size for rec in records for size in rec.sizes if size.ratio_figure == "allocated"]
     if by_allocator:
@@ -188,7 +188,7 @@ def suggestion_lines(records: Iterable[TestRecord]) -> list[str]:
         if ratio is None:
             continue
         measured = ", ".join(f"{r:.2f}x at {n}" for n, r in measured_ratios(record).items())
-        now = f"; the marker has {record.limits.max_ratio}" if record.limits.max_ratio is not None else ""
+        now = f"; the marker has {record.spec.max_ratio}" if record.spec.max_ratio is not None else ""
         lines.append(f"{record.test}: max_ratio={ratio} (measured {measured}, each + {HEADROOM}{now})")
     return lines
 

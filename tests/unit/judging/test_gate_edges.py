@@ -19,7 +19,7 @@ import pytest
 from pytest_gpumem import cli
 from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, parse_marker, parse_tolerance
 from pytest_gpumem.judging import report_diff
-from pytest_gpumem.judging.record import Limits, SizeRecord, TestRecord, report_document
+from pytest_gpumem.judging.record import SizeRecord, TestRecord, report_document
 from pytest_gpumem.judging.verdict import BaselineRef, against_reference, judge
 from pytest_gpumem.measurement.predict import predict
 from pytest_gpumem.measurement.size import FloorResult, SizeResult, gated_reading
@@ -160,8 +160,7 @@ def test_the_one_rule(measured, kind):
 
 def report(mib: float, tolerance: str = "5%") -> list[TestRecord]:
     size = SizeRecord(SizeResult(2, "cpu", {}), gated_rank=0, gated_label="rank 0", gated_mib=mib)
-    return [TestRecord("t.py::test", "passed", (2,), limits=Limits(tolerance=tolerance or str(DEFAULT_TOLERANCE)),
-                       sizes=(size,))]
+    return [TestRecord("t.py::test", "passed", spec(nproc=2, tolerance=tolerance or DEFAULT_TOLERANCE), sizes=(size,))]
 
 
 @pytest.mark.parametrize(
@@ -190,7 +189,7 @@ def test_diff_of_a_fake_gpu_size_is_one_row_for_its_one_figure():
     def fake(mib: float, fake_gpu: str = "NVIDIA H200") -> list[TestRecord]:
         measured = SizeResult(1, "gpu", {}, fake_gpu=fake_gpu)
         size = SizeRecord(measured, gated_rank=0, gated_label="rank 0", gated_mib=mib, allocated_mib=mib)
-        return [TestRecord("t.py::test", "passed", (1,), limits=Limits(tolerance="max(5%, 32MiB)"), sizes=(size,))]
+        return [TestRecord("t.py::test", "passed", spec(nproc=1, tolerance="max(5%, 32MiB)"), sizes=(size,))]
 
     rows = report_diff.diff_reports(fake(9569.6), fake(9694.5)).rows
     assert [(row.figure, row.kind) for row in rows] == [("allocated", "regression")]

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.config.spec import Ratio
+from pytest_gpumem.config.spec import Defaults, Ratio, parse_marker
 from pytest_gpumem.judging.record import (
     SCHEMA,
     BaselineChange,
-    CheckRecord,
-    Limits,
     ReportError,
     SiteChange,
     SizeRecord,
@@ -22,6 +20,7 @@ from pytest_gpumem.judging.record import (
     report_document,
 )
 from pytest_gpumem.judging.record_reader import load_report, parse_report
+from pytest_gpumem.judging.verdict import Check
 from pytest_gpumem.measurement.predict import FLAT, LINEAR, Candidate, Fit, Prediction
 from pytest_gpumem.measurement.size import PER_RANK, FloorResult, SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
@@ -44,12 +43,12 @@ def full_record() -> TestRecord:
         start="exec", simulated=(0, 1), uncounted=("DDP comm hook 'keep_buckets'",))
     size = SizeRecord(
         measured=measured, gated_rank=1, gated_label="rank 1 (largest)", gated_mib=812.5,
-        checks=(CheckRecord("max_mib", True, 812.5, 900.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB <= max_mib",
-                            "device"),
-                CheckRecord("baseline", False, 812.5, 700.0, "rank 1 at nproc=2 (gpu): peak 812.5 MiB > baseline",
-                            "device"),
-                CheckRecord("baseline", False, 420.0, 400.0, "rank 1 at nproc=2 (gpu, allocated): peak 420.0 MiB > "
-                            "baseline", "allocated")),
+        checks=(Check("max_mib", 2, "rank 1 (largest)", "gpu", 812.5, 900.0, True, "max_mib {limit} MiB",
+                      "simulated world", "device"),
+                Check("baseline", 2, "rank 1 (largest)", "gpu", 812.5, 700.0, False,
+                      "baseline {reference} MiB + 50 MiB = {limit} MiB", "simulated world", "device", False, 650.0),
+                Check("baseline", 2, "rank 1 (largest)", "gpu", 420.0, 400.0, False,
+                      "baseline {reference} MiB + 20 MiB = {limit} MiB", "simulated world", "allocated", False, 380.0)),
         ratio=1.5, baseline_mib=650.0, others_max_mib=800.0, peak_at_s={0: 1.25, 1: 1.5}, imbalance=0.015,
         allocated_mib=420.0, allocated_baseline_mib=380.0)
     fit = Fit(LINEAR, (400.0, 100.0), ((1, 500.0), (2, 600.0)), None, (Candidate(FLAT, None), Candidate(LINEAR, None)))
@@ -57,9 +56,9 @@ def full_record() -> TestRecord:
         measured=SizeResult(8, "gpu", {}, prediction=Prediction(8, 1200.0, fit, "rank 0"),
                             allocated_prediction=Prediction(8, 900.0, fit, "rank 0", 100.0, 2)),
         gated_rank=None, gated_label="rank 0", gated_mib=1200.0)
-    return TestRecord(test="t.py::test_x[a|b]", status="failed", cause="limit", nproc=(2, 8), launcher="torchrun",
-                      limits=Limits(max_mib=900.0, max_ratio=None, allow_mib=0.0, rank="all",
-                                    tolerance="max(5%, 32MiB)"),
+    spec = parse_marker((), {"nproc": [2, 8], "launcher": "torchrun", "max_mib": 900.0, "rank": "all",
+                             "tolerance": "max(5%, 32MiB)"}, Defaults())
+    return TestRecord(test="t.py::test_x[a|b]", status="failed", cause="limit", spec=spec,
                       sizes=(size, predicted), provenance={"torch": "2.13.0"}, messages=("over",), notes=("n",),
                       baseline_changes=(BaselineChange(2, None, 812.5), BaselineChange(8, 800.0, 812.5)),
                       changed_since_baseline=("torch 2.12 -> 2.13",),
@@ -81,10 +80,33 @@ def test_a_record_survives_json_unchanged():
 
 @pytest.mark.parametrize("ratio", [Ratio(flat=1.2), Ratio(sizes=((2, 0.6), (8, 0.3)))])
 def test_a_ratio_flat_or_per_size_survives_json(ratio):
-    record = dataclasses.replace(full_record(), limits=Limits(max_ratio=ratio))
+    spec = parse_marker((), {"nproc": [2, 8], "max_ratio": ratio.to_json() if ratio.flat else dict(ratio.sizes)},
+                        Defaults())
+    record = dataclasses.replace(full_record(), spec=spec)
     doc = json.loads(json.dumps(report_document([record])))
     assert doc["tests"][0]["limits"]["max_ratio"] == ratio.to_json()
     assert parse_report(doc) == [record]
+
+
+def test_a_check_is_written_as_its_sentence_at_the_tests_digits_and_read_back_whole():
+    record = full_record()
+    check = json.loads(json.dumps(report_document([record])))["tests"][0]["sizes"][0]["checks"][1]
+    assert list(check) == ["kind", "ok", "measured_mib", "limit_mib", "text", "figure", "advisory", "own", "making",
+                           "reference_mib", "rank_label"]
+    assert check["text"] == ("rank 1 (largest) at nproc=2 (gpu, simulated world): peak 812.5 MiB > baseline "
+                             "650.0 MiB + 50 MiB = 700.0 MiB") == record.sizes[0].checks[1].text(record.digits)
+
+
+def test_a_check_of_an_older_report_reads_as_the_sentence_it_stored():
+    """A report written before a check carried its making: the sentence's parts make the check again."""
+    doc = json.loads(json.dumps(report_document([full_record()])))
+    for size in doc["tests"][0]["sizes"]:
+        for check in size["checks"]:
+            del check["making"], check["reference_mib"], check["rank_label"]
+    sentences = [c["text"] for c in doc["tests"][0]["sizes"][0]["checks"]]
+    record = parse_report(doc)[0]
+    assert [c.text(record.digits) for c in record.sizes[0].checks] == sentences
+    assert {c.rank_label for c in record.sizes[0].checks} == {"rank 1 (largest)"}
 
 
 def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():

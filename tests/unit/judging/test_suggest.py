@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_gpumem.config.spec import Ratio
+from pytest_gpumem.config.spec import Defaults, Ratio, parse_marker
 from pytest_gpumem.judging.record import BaselineChange, SizeRecord, TestRecord
 from pytest_gpumem.judging.suggest import suggested_ratio
 from pytest_gpumem.measurement.size import SizeResult
@@ -11,7 +11,7 @@ from pytest_gpumem.presentation.report import summary
 
 def record(ratios: dict[int, float | None], nproc: tuple[int, ...] = (2, 8)) -> TestRecord:
     sizes = tuple(SizeRecord(SizeResult(n, "cpu", {}), 0, "rank 0", 100.0, ratio=r) for n, r in ratios.items())
-    return TestRecord("t.py::test_fsdp", "passed", nproc, sizes=sizes,
+    return TestRecord("t.py::test_fsdp", "passed", parse_marker((), {"nproc": list(nproc)}, Defaults()), sizes=sizes,
                       baseline_changes=tuple(BaselineChange(n, None, 100.0) for n in ratios))
 
 
