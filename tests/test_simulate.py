@@ -11,10 +11,10 @@ import pytest
 from jobs import TORCH_SIMULATE
 
 from conftest import GLOO_TRANSIENT_MIB
-from pytest_gpumem.launching.launch import LaunchRequest, LaunchResult, simulated_env
-from pytest_gpumem.launching.launches import _as_world
+from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_setup import NCCL_DEFAULTS, nccl_defaults
-from pytest_gpumem.launching.runs import SizeRun
+from pytest_gpumem.launching.size_launch import _as_world
+from pytest_gpumem.launching.supervise import LaunchRequest, LaunchResult, simulated_env
 from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.rankside.protocol import RankResult
 from pytest_gpumem.rankside.simulate import SIMULATE_ENV, World, world

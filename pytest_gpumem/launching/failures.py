@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Mapping
 
 from ..rankside.protocol import RankResult
-from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
-from .launcher import launcher
+from .launchers import launcher
+from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"

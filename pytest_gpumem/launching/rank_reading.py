@@ -22,10 +22,10 @@ from ..sampling.identity import platform_key
 from ..sampling.sites import Site, from_dicts
 from . import failures
 from .gpus import GpuPlan
-from .launch import LaunchResult
-from .launcher import launcher
+from .launched import SizeRun
+from .launchers import launcher
 from .rank_setup import nccl_defaults_note
-from .runs import SizeRun
+from .supervise import LaunchResult
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..config.env_names import (
 from ..config.spec import Spec
 from ..rankside.received import ASSUME_ENV
 from .gpus import GpuPlan
-from .launcher import launcher
+from .launchers import launcher
 
 EXEC_ASKED = "--gpumem-start=exec"
 NOT_GPU = "not a GPU launch (auto forks those only)"
@@ -63,7 +63,7 @@ class RankSetup:
     rootdir: Path  # sites are named from here; a relative script= is found here
     rank_pytest_args: Callable[[str], list[str]]  # test id -> the rank's pytest arguments
     track_host: str = "auto"  # auto | on | off: memray in each rank (see tracks_host)
-    sites: str = "auto"  # auto | on | off: peak sites (auto: GPU ones from a relaunch, see Runner.relaunch_for_sites)
+    sites: str = "auto"  # auto | on | off: peak sites (auto: GPU ones from a relaunch, TestDriver.relaunch_for_sites)
     gpu_history: bool = False  # record torch's allocator history in every launch (sites="on" does too)
     python_allocations: str = "objects"  # objects | arenas: how the tracker counts Python's
     gpu_sampler: str = "parent"  # "parent": NVML watched from pytest; "rank": each rank's own thread

@@ -9,8 +9,8 @@ from typing import Callable
 from ...config.spec import Spec
 from .. import slurm
 from ..gpus import GpuPlan
-from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from ..launcher import LauncherOptions
+from ..supervise import Launch, LaunchRequest, LaunchResult, describe_returncode
+from . import LauncherOptions
 
 
 class Srun:

@@ -618,8 +618,8 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     from pytest_gpumem.config.settings import resolve
     from pytest_gpumem.config.spec import Defaults, parse_marker
     from pytest_gpumem.judging.gate import Gate
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
     from pytest_gpumem.measurement.size import SizeResult
     from pytest_gpumem.sampling import AllocatedPeak, Peak
 

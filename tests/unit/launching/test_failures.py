@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pytest_gpumem.launching.failures import CUDA_HINT, LaunchContext, import_hint, problems
-from pytest_gpumem.launching.launch import LaunchResult, absolute_pythonpath
+from pytest_gpumem.launching.supervise import LaunchResult, absolute_pythonpath
 from pytest_gpumem.rankside.protocol import RankResult
 
 
@@ -128,7 +128,7 @@ Current thread 0x00007f3a2e1b9740 (most recent call first):
 def test_a_rank_stopped_while_finishing_the_plugins_own_work_is_said_in_one_line(tmp_path):
     """The issue-36 noise: the failed rank was stopped while its allocation capture was being
     written; its stack held only the plugin's frames, which say nothing about the user's job."""
-    from pytest_gpumem.launching.launch import _user_frames
+    from pytest_gpumem.launching.supervise import _user_frames
 
     assert _user_frames(FINISHING_CAPTURE) == ""
     run = launch(nproc=1, pids={0: 10}, end="fail-fast", failed_at={0: 0.4}, stopped=frozenset({0}),
@@ -141,7 +141,7 @@ def test_a_rank_stopped_while_finishing_the_plugins_own_work_is_said_in_one_line
 
 
 def test_a_stopped_ranks_stack_in_the_users_code_keeps_only_the_users_frames():
-    from pytest_gpumem.launching.launch import _user_frames
+    from pytest_gpumem.launching.supervise import _user_frames
 
     dump = FINISHING_CAPTURE.replace(
         '  File "/venv/lib/python3.11/site-packages/pytest_gpumem/sampling/allocations.py", line 122 in _close\n',

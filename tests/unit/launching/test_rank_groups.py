@@ -1,8 +1,8 @@
 """Simulated ranks that do not fit the GPUs together run in groups, one after another, merged into one run."""
 
-from pytest_gpumem.launching.launch import LaunchResult
+from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_groups import merged, rank_groups
-from pytest_gpumem.launching.runs import SizeRun
+from pytest_gpumem.launching.supervise import LaunchResult
 from pytest_gpumem.measurement.size import SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 

@@ -267,8 +267,8 @@ def test_sizes_this_hosts_memory_cannot_hold_are_not_started_and_say_why():
 # ----------------------------------------------------------------------------- renderings of a record
 
 def _predicted_record():
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runner import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
@@ -316,8 +316,8 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
 
 def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
     from pytest_gpumem.judging.explain import explain_failure
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runner import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]

@@ -1,6 +1,6 @@
 """One launch of one world size: its folder, its samplers, the request to its launcher, the ranks'
 files read back, their snapshots kept; a relaunch on another port where the rendezvous port was
-lost before any test body started. :class:`~.runner.Runner` decides what to launch; this runs it.
+lost before any test body started. :class:`~.driver.TestDriver` decides what to launch; this runs it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
 from . import failures
 from .gpus import GpuPlan
-from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
-from .launcher import LauncherOptions, launcher
+from .launched import SizeRun
+from .launchers import LauncherOptions, launcher
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
-from .runs import SizeRun
+from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
 from .watch import Follower, Watch, what
 from .workdirs import make_workdir, sweep_orphans
 
@@ -32,7 +32,7 @@ GpuSetup = Callable[[Spec, int, str], GpuPlan]
 PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before any test body started
 
 
-class Launches:
+class SizeLaunch:
     """What every launch of a session shares: where the ranks run, their setup, the GPUs' source,
     the launcher's options, the fail-fast grace, the snapshot folder."""
 

@@ -99,7 +99,7 @@ class LaunchResult:
     port: int | None = None                # the rendezvous port (MASTER_PORT) the launch was given
     port_note: str | None = None           # why the port was not leased (a free one was chosen)
     # The rendezvous port was taken by another program before any rank's test body started: the line
-    # that says so (a relaunch on another port runs no user test body twice; runner.py does it).
+    # that says so (a relaunch on another port runs no user test body twice; size_launch.py does it).
     port_lost: str | None = None
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
