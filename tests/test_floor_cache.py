@@ -119,9 +119,9 @@ def session(tmp_path: Path, cache: FloorCache, *, refresh: bool = False,
     launched: list[str] = []
     real = runner._launch
 
-    def counting(test_id, spec, nproc, plan):  # a spy: every launch still runs for real
+    def counting(test_id, spec, *rest, **given):  # a spy: every launch still runs for real
         launched.append(spec.module or Path(spec.script).name)
-        return real(test_id, spec, nproc, plan)
+        return real(test_id, spec, *rest, **given)
 
     runner._launch = counting
     spec = parse_marker((), {"nproc": 1, "script": str(script), "device": "cpu", "env": env or {}}, Defaults())
