@@ -115,7 +115,7 @@ def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():
     result = SizeResult(world_size=2, device="cpu", peaks={0: Peak(900.0, "live allocations (memray)")})
     test = _gpu_test_run({})
     boxings = [{"src": "P", "dst": "B", "op": "sgd (sgd)", "tensor": "w/grad (64, 16384) float32"}]
-    test.runs.append(SizeRun(result=result, launch=LaunchResult(2, "oneflow", []), outcomes={}, boxings=boxings))
+    test.runs.append(SizeRun(result=result, launch=LaunchResult(2, []), outcomes={}, boxings=boxings))
     verdict = judge(test.spec, [result])
     stored = {2: Entry(800.0, {0: 800.0}, 0, "cpu", "live allocations (memray)",
                        {"boxing.graphs": "1", "boxing.P->B": "1"})}

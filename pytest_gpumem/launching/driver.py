@@ -17,7 +17,7 @@ from .floor_cache import FloorCache
 from .floors import Floors
 from .gpus import GpuPlan, GpuPlanner
 from .launched import SizeRun, TestRun
-from .launchers import LauncherOptions
+from .launchers import Launcher, LauncherOptions
 from .rank_setup import RankSetup
 from .size_launch import GpuSetup, SizeLaunch
 from .startups import Startups
@@ -78,11 +78,11 @@ class TestDriver:
                     provenance=reused.provenance,
                 )
             else:
-                plan = self.size_launch.plan(spec, nproc, test_id)
+                chosen, plan = self.size_launch.plan(spec, nproc, test_id)
                 if plan.skip_reason is not None:
                     test.skip_reason = plan.skip_reason
                     return test
-                run = self._launch(test_id, spec, nproc, plan)
+                run = self._launch(test_id, spec, chosen, nproc, plan)
                 if nproc == 1 and not run.problems and run.all_skipped is None:
                     self._references[key] = run
                 if nproc not in spec.nproc and run.problems:
@@ -97,8 +97,8 @@ class TestDriver:
         return test
 
     def _launch_probe(self, test_id: str, probe: Spec, nproc: int) -> SizeRun:
-        return self._launch(test_id, probe, nproc, self.size_launch.plan(probe, nproc, f"{test_id} (floor)"),
-                            label="floor")
+        chosen, plan = self.size_launch.plan(probe, nproc, f"{test_id} (floor)")
+        return self._launch(test_id, probe, chosen, nproc, plan, label="floor")
 
     def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> TestRun:
         """``test`` with the GPU peak sites of ``sizes``, from a relaunch with torch's allocator
@@ -118,11 +118,12 @@ class TestDriver:
             return run
         spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
         processes = self.size_launch.processes(result.world_size, result.simulated)
-        plan = self.size_launch.plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
+        chosen, plan = self.size_launch.plan(spec, processes, f"{test.test_id} (peak sites)",
+                                             fake=bool(result.fake_gpu))
         if plan.skip_reason is not None:
             return run
-        again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated,
-                             label="peak sites")
+        again = self._launch(test.test_id, spec, chosen, result.world_size, plan, history=True,
+                             simulated=result.simulated, label="peak sites")
         rank, relaunched = test.readings[result.world_size].rank, gated_reading(again.result, test.spec.rank)
         found = again.result.sites.get(rank) if rank is not None else None
         if again.problems or rank is None or not found:
@@ -146,14 +147,14 @@ class TestDriver:
         keyed by the ranks they stand for."""
         self.size_launch.simulated_gpus = None if fake else gpus
         direct = replace(spec, launcher="direct")  # a launcher would start the whole world
-        plan = self.size_launch.plan(direct, self.size_launch.processes(world_size, ranks),
-                                  f"{test_id} (simulated nproc={world_size})", fake=fake)
+        chosen, plan = self.size_launch.plan(direct, self.size_launch.processes(world_size, ranks),
+                                             f"{test_id} (simulated nproc={world_size})", fake=fake)
         if plan.skip_reason is not None:
             return SizeRun(result=SizeResult(world_size, "gpu", {}, simulated=ranks),
-                           launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])
-        return self._launch(test_id, direct, world_size, plan, simulated=ranks)
+                           launch=LaunchResult(world_size, []), outcomes={}, problems=[plan.skip_reason])
+        return self._launch(test_id, direct, chosen, world_size, plan, simulated=ranks)
 
-    def _startup(self, test_id: str, spec: Spec, world: int, plan: GpuPlan,
+    def _startup(self, test_id: str, spec: Spec, chosen: Launcher, world: int, plan: GpuPlan,
                  simulated: tuple[int, ...]) -> tuple[str, SizeRun | None]:
         """The ranks' ``GPUMEM_STARTUP`` (their start-up's figures, from this session, the cache or a
         probe launched now; "" tracks them whole), or the probe's run where the probe showed the
@@ -165,8 +166,8 @@ class TestDriver:
             return found, None
         # The launch's own GPUs (held by its plan while the probe runs), no sampler: nothing is gated.
         probe_plan = GpuPlan(env=dict(plan.env), gpu_name=plan.gpu_name, provenance=dict(plan.provenance))
-        probe = self.size_launch.launch(test_id, spec, world, probe_plan, simulated=simulated, startup="probe",
-                                     label="start-up probe")
+        probe = self.size_launch.launch(test_id, spec, chosen, world, probe_plan, simulated=simulated,
+                                        startup="probe", label="start-up probe")
         if len(probe.startups) == (len(simulated) or world):
             self.startups.learn(test_id, launch, world, probe.startups, probe.startup_files)
             return self.startups.env(test_id, launch, world), None
@@ -177,20 +178,20 @@ class TestDriver:
         self.startups.failed(test_id, launch, world, probe.problems + probe.notes)
         return "", None
 
-    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
+    def _launch(self, test_id: str, spec: Spec, chosen: Launcher, nproc: int, plan: GpuPlan, history: bool = False,
                 simulated: tuple[int, ...] = (), label: str = "") -> SizeRun:
-        """One launch at world size ``nproc``, its ranks' start-up found first (from this session, the
-        cache, or a probe launched now)."""
+        """One launch at world size ``nproc`` by ``chosen``, its ranks' start-up found first (from this
+        session, the cache, or a probe launched now)."""
         startup = ""
         # Host-tracked pytest ranks of a whole world: their start-up is measured once (launching.startups).
         setup = self.size_launch.setup
-        if plan.error is None and spec.body_mode and setup.env(spec, plan, history).get(TRACK_ENV) == "1":
-            startup, failed = self._startup(test_id, spec, nproc, plan, simulated)
+        if plan.error is None and spec.body_mode and setup.env(spec, chosen, plan, history).get(TRACK_ENV) == "1":
+            startup, failed = self._startup(test_id, spec, chosen, nproc, plan, simulated)
             if failed is not None:
                 plan.release()
                 return failed
-        run = self.size_launch.launch(test_id, spec, nproc, plan, history=history, simulated=simulated, startup=startup,
-                                   label=label)
+        run = self.size_launch.launch(test_id, spec, chosen, nproc, plan, history=history, simulated=simulated,
+                                      startup=startup, label=label)
         run.notes += self.startups.take_notes()
         return run
 

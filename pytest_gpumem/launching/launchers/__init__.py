@@ -5,10 +5,11 @@ as an installed package's; the ``pytest_gpumem_launchers`` hook hands its launch
 
 The driver and the failure text ask a launcher what they need to know (where its GPUs come from,
 where its launch folder lives, whether its ranks are on this host, what a rank's exit means); the
-launch itself is the launcher's :class:`~..supervise.Launch` subclass. Nothing compares a launcher's
-name. A launcher of a team's own (``accelerate launch``, ``deepspeed``, ``mpirun``) comes in without
-a fork of the plugin, from a conftest or plugin's hook or a package's entry point (``gpumem measure``
-reads those too); the marker and the options then accept its name.
+launch itself is the launcher's :class:`~..supervise.Launch` subclass. The marker's name is looked up
+once, where a size starts (``SizeLaunch.plan``), and the object handed down; nothing compares a
+launcher's name. A launcher of a team's own (``accelerate launch``, ``deepspeed``, ``mpirun``) comes
+in without a fork of the plugin, from a conftest or plugin's hook or a package's entry point
+(``gpumem measure`` reads those too); the marker and the options then accept its name.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class LocalLauncher:
     """What most launchers share: ranks on this host, started by one launcher process, GPUs leased
     here, a private local launch folder."""
 
+    name: str  # each subclass's own
     per_rank = False
     remote = False
 
@@ -74,7 +76,7 @@ class LocalLauncher:
         return None
 
     def exit_text(self, launch: LaunchResult, rank: int) -> str:
-        return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
+        return f"{self.name} launcher {describe_returncode(launch.launcher_returncode)}"
 
 
 _REGISTRY: dict[str, Launcher] = {}

@@ -397,7 +397,7 @@ def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_movin
         kw = {"nproc": 1} if given is None else {"nproc": 1, "tolerance": given}
         test = TestRun("t.py::test", parse_marker((), kw, Defaults()), provenance={"cpu_model": cpu})
         result = SizeResult(1, device, {0: Peak(300.0, method)})
-        test.runs.append(SizeRun(result=result, launch=LaunchResult(1, "direct", []), outcomes={}))
+        test.runs.append(SizeRun(result=result, launch=LaunchResult(1, []), outcomes={}))
         entry = Entry(300.0, {0: 300.0}, 0, device, method, {"cpu_model": stored_cpu})
         found, note = gate._tolerance(test, 1, entry)
         return str(found), [note] if note else []
@@ -444,7 +444,7 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
         top = max(peaks, key=lambda r: peaks[r])
         result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
                             sites={top: sites})
-        return SizeRun(result, LaunchResult(n, "direct", []), {})
+        return SizeRun(result, LaunchResult(n, []), {})
 
     test = TestRun("t.py::test_tp_pp", spec, runs=[
         run(4, {0: 1500.0, 1: 1600.0, 2: 900.0, 3: 900.0}, (grads,)),
@@ -468,7 +468,7 @@ def _pipeline_run(n: int, peaks: dict[int, float], sites: dict[int, tuple] | Non
 
     result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
                         sites=sites or {})
-    return SizeRun(result, LaunchResult(n, "direct", []), {})
+    return SizeRun(result, LaunchResult(n, []), {})
 
 
 HEALTHY_STAGES = {0: 1300.0, 1: 1800.0, 2: 1790.0, 3: 2150.0}  # the last stage the largest (1F1B at 4)

@@ -23,7 +23,7 @@ def group(ranks, mib, seconds):
     peaks = {r: Peak(m, "per-pid sampled") for r, m in zip(ranks, mib)}
     result = SizeResult(8, "gpu", peaks, platform="gpu:NVIDIA H200 (simulated)", duration_s=seconds,
                         timeline=((1.0, {r: m for r, m in zip(ranks, mib)}),), simulated=ranks)
-    return SizeRun(result=result, launch=LaunchResult(8, "direct", []), outcomes={}, notes=["same note"])
+    return SizeRun(result=result, launch=LaunchResult(8, []), outcomes={}, notes=["same note"])
 
 
 def test_the_groups_merge_into_one_run_of_the_worlds_size_on_one_time_axis_and_say_their_cost():

@@ -274,7 +274,7 @@ def _predicted_record():
     launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
     p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
     test = TestRun("t/p.py::test_grows", s,
-                   runs=[SizeRun(r, LaunchResult(r.world_size, "direct", []), {}) for r in launched],
+                   runs=[SizeRun(r, LaunchResult(r.world_size, []), {}) for r in launched],
                    predicted=[SizeResult(8, "cpu", {}, prediction=p)])
     return build(test, judge(s, test.results), "failed", cause="limit")
 
@@ -323,7 +323,7 @@ def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_laun
     launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]
     gather = {"src": "S(0)", "dst": "B", "op": "cast-0 (cast)", "tensor": "x/out (4096, 1024) float32", "placement": ""}
     grad = {"src": "P", "dst": "B", "op": "w_opt (sgd_update)", "tensor": "g/out (64,) float32", "placement": ""}
-    runs = [SizeRun(r, LaunchResult(r.world_size, "direct", []), {},
+    runs = [SizeRun(r, LaunchResult(r.world_size, []), {},
                     boxings=[] if r.world_size == 1 else [grad, gather])
             for r in launched]
     p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
