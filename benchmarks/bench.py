@@ -111,7 +111,7 @@ if _IN_PLUGIN_RANK:
 BENCHTRACE_PARENT = '''
 import pytest
 from benchtrace import mark
-from pytest_gpumem.launching import launch as _launch, runner as _runner
+from pytest_gpumem.launching import supervise as _launch, driver as _driver
 
 
 def _wrap(cls, name, before=None, after=None):
@@ -146,7 +146,7 @@ def _files(self, spec, nproc, workdir, *rest):
                 pass
 
 
-_wrap(_runner.Runner, "_read", before=_files)
+_wrap(_driver.TestDriver, "_read", before=_files)
 
 
 @pytest.hookimpl(wrapper=True)

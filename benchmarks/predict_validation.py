@@ -6,7 +6,7 @@
 
 For the OneFlow eager example (examples/test_oneflow_eager_dp.py) and the torch DDP example
 (examples/test_torch_ddp.py), healthy and inflating, each test body is launched at 1, 2, 4 and 8
-ranks through the plugin's own Runner (the marker's launcher, the plugin's measurement), with the
+ranks through the plugin's own TestDriver (the marker's launcher, the plugin's measurement), with the
 examples' per-rank batch made smaller (EXAMPLE_LOCAL_BATCH, default 512 rows = 32 MiB) so that eight
 inflating ranks fit beside other work in this machine's 24 GiB: at the examples' 2048 rows the torch
 twin would hold ~2.3 GiB per rank at 8. Then rank 0's peak at 8 is predicted by
@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
 from pytest_gpumem.judging.verdict import judge  # noqa: E402
+from pytest_gpumem.launching.driver import TestDriver  # noqa: E402
 from pytest_gpumem.launching.rank_setup import RankSetup  # noqa: E402
-from pytest_gpumem.launching.runner import Runner  # noqa: E402
 from pytest_gpumem.measurement import predict  # noqa: E402
 from pytest_gpumem.measurement.size import SizeResult  # noqa: E402
 
@@ -79,7 +79,7 @@ def measure(test_id: str, kwargs: dict[str, Any], sizes: tuple[int, ...], batch:
     env = {**(kwargs.get("env") or {}), "EXAMPLE_LOCAL_BATCH": str(batch)}
     spec = parse_marker((), {**kwargs, "nproc": list(sizes), "env": env, "timeout": timeout,
                              **({"launcher": launcher} if launcher else {})}, Defaults())
-    runner = Runner(cwd=ROOT, setup=RankSetup(rootdir=ROOT, rank_pytest_args=rank_pytest_args))
+    runner = TestDriver(cwd=ROOT, setup=RankSetup(rootdir=ROOT, rank_pytest_args=rank_pytest_args))
     started = time.monotonic()
     test = runner.run(test_id, spec)
     out: dict[str, Any] = {"launcher": spec.launcher,

@@ -118,7 +118,7 @@ if os.environ["RANK"] == "0":
 def communicator_cost(n: int, backend: str) -> dict[str, float]:
     """memray's peaks in rank 0 of a gloo (or fake) world of ``n``: its group's set-up and an all-reduce;
     an all-gather."""
-    from pytest_gpumem.launching.launch import free_port
+    from pytest_gpumem.launching.supervise import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n)}
     ranks = range(n if backend == "gloo" else 1)

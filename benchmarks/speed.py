@@ -155,15 +155,15 @@ def _files(self, spec, nproc, workdir, *rest):
 
 
 def _instrument():
-    from pytest_gpumem.launching import launch, runner  # imported by the first gpumem test anyway
+    from pytest_gpumem.launching import driver, supervise  # imported by the first gpumem test anyway
 
-    _wrap(launch.Launch, "run", before=lambda self: mark("launch_start"), after=lambda self: mark("launch_end"))
+    _wrap(supervise.Launch, "run", before=lambda self: mark("launch_start"), after=lambda self: mark("launch_end"))
     for start in ("_spawn", "_fork"):  # an exec'd rank, or a forked one
-        _wrap(launch.Launch, start, after=lambda self, *a: mark("spawned"))
-    _wrap(launch.Launch, "_supervise", after=lambda self, *a: mark("exit_seen"))
-    _wrap(runner.Runner, "_add_floors", before=lambda self, *a: mark("floor_start"),
+        _wrap(supervise.Launch, start, after=lambda self, *a: mark("spawned"))
+    _wrap(supervise.Launch, "_supervise", after=lambda self, *a: mark("exit_seen"))
+    _wrap(driver.TestDriver, "_add_floors", before=lambda self, *a: mark("floor_start"),
           after=lambda self, *a: mark("floor_end"))
-    _wrap(runner.Runner, "_read", before=_files)
+    _wrap(driver.TestDriver, "_read", before=_files)
 
 
 def pytest_addoption(parser):

@@ -5,7 +5,7 @@
                    -- train_net.py --config-file gpt2.py
 
 No pytest: a script-mode :class:`Spec` (``script=``/``module=``, ``args=``) goes through the same
-:class:`Runner` as a test, so the numbers, the timeout, the temporary folder and the killing of
+:class:`TestDriver` as a test, so the numbers, the timeout, the temporary folder and the killing of
 every process are the test's own; sizes above the cap are predicted as in a test. The report and
 the Markdown are the plugin's formats (``gpumem diff`` reads the report). Unset options come from
 ``GPUMEM_*`` and the ini file, as in a test session. Exit 0 when every launch
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            rootdir=setup.rootdir, enabled=True, refresh=False)
     except (inifile.IniError, SettingsError) as exc:
         return _fail(str(exc))
-    from .launching.launcher import registered
+    from .launching.launchers import registered
 
     try:
         spec = parse_marker((), {"nproc": list(args.nproc), "rank": args.rank, "max_ratio": None,
@@ -171,7 +171,7 @@ def _measure(spec: Any, settings: Any, args: argparse.Namespace, command: str) -
     from .presentation.report import scaling_table
 
     built = session.Session.from_settings(settings, rootdir=Path.cwd(), cwd=Path.cwd(), rank_pytest_args=_no_pytest)
-    rec, failures = measured(scaling.run(built.runner, command, spec, built.capacity))
+    rec, failures = measured(scaling.run(built.driver, command, spec, built.capacity))
     for line in scaling_table(rec):
         print(line)
     if args.report is not None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 # Nothing paid when unused: every pytest session where the plugin is installed imports this module,
-# and every rank loads it too (needing only rankside.rank_plugin). The parent's machinery (runner, gate, NVML,
+# and every rank loads it too (needing only rankside.rank_plugin). The parent's machinery (driver, gate, NVML,
 # leases, baselines, psutil, filelock) is imported at the first gpumem test that runs, the outputs
 # only when there is something to write. `make bench` measures the cost (benchmarks/startup.py).
 
@@ -68,15 +68,15 @@ def _launchers(config: pytest.Config, resolved: settings_mod.Settings) -> tuple[
     names = {p.name for p in launcher_entry_points()}
     given = [made for found in config.hook.pytest_gpumem_launchers() for made in (found or [])]
     if given:  # the registry (and every launcher module) is imported only where one is added
-        from .launching import launcher
+        from .launching import launchers
 
         for made in given:
             try:
-                launcher.add(made, "pytest_gpumem_launchers")
+                launchers.add(made, "pytest_gpumem_launchers")
             except ValueError as exc:
                 raise pytest.UsageError(f"pytest-gpumem: {exc}") from None
             names.add(made.name)
-            config.add_cleanup(functools.partial(launcher.withdraw, made.name))
+            config.add_cleanup(functools.partial(launchers.withdraw, made.name))
     if resolved.launcher not in names:
         raise pytest.UsageError(f"pytest-gpumem: gpumem_launcher={resolved.launcher!r} is not registered: "
                                 f"expected one of {', '.join(sorted(names))}")

@@ -1,7 +1,7 @@
 """The composition root: the launching machinery built once from the resolved settings.
 
 ``pytest --gpumem`` (plugin), ``gpumem measure`` and, through them, ``gpumem refresh`` and ``gpumem
-bisect`` all build their runner in :meth:`Session.from_settings`, so an option means the same in
+bisect`` all build their driver in :meth:`Session.from_settings`, so an option means the same in
 each: a launcher option, the fail-fast grace or the snapshot folder cannot be honoured by one
 command and forgotten by another.
 What differs is passed in: where the ranks' pytest runs from and what it is given (a program for
@@ -20,11 +20,11 @@ from .config.settings import Settings
 if TYPE_CHECKING:
     from .config.spec import Spec
     from .judging.gate import Gate, Outcome
-    from .launching.runner import Runner
+    from .launching.driver import TestDriver
     from .launching.scaling import Capacity
     from .launching.watch import Watch
 
-# The machinery (gate, runner, NVML, leases, baselines, psutil, filelock) is imported when a session
+# The machinery (gate, driver, NVML, leases, baselines, psutil, filelock) is imported when a session
 # is built, at the first gpumem test that runs: every pytest session where the plugin is installed
 # imports this module's caller, and pays nothing until then (benchmarks/startup.py).
 
@@ -55,11 +55,11 @@ def preflight(settings: Settings, *, fake_gpu: bool | None = None, plots: bool |
 
 @dataclass
 class Session:
-    """One session's machinery: the runner that launches every size, the gate that judges a test,
+    """One session's machinery: the driver that launches every size, the gate that judges a test,
     and the GPUs counted once for the sizes that may pass them."""
 
     settings: Settings
-    runner: Runner
+    driver: TestDriver
     gate: Gate
     _capacity: Capacity | None = field(default=None, repr=False)
 
@@ -72,8 +72,8 @@ class Session:
         from .judging.baseline import BaselineStore
         from .judging.gate import Gate
 
-        runner = _runner(settings, rootdir, cwd, rank_pytest_args, start_refusal, watch)
-        return cls(settings=settings, runner=runner, gate=Gate(settings, BaselineStore(settings.baselines)))
+        driver = _driver(settings, rootdir, cwd, rank_pytest_args, start_refusal, watch)
+        return cls(settings=settings, driver=driver, gate=Gate(settings, BaselineStore(settings.baselines)))
 
     @property
     def capacity(self) -> Capacity:
@@ -93,18 +93,18 @@ class Session:
         outcome = self.gate.before_launch(test_id, spec)
         if outcome is not None:
             return outcome
-        relaunch = self.runner.relaunch_for_sites if self.settings.sites == "auto" else None
-        return self.gate.evaluate(scaling.run(self.runner, test_id, spec, self.capacity), relaunch=relaunch)
+        relaunch = self.driver.relaunch_for_sites if self.settings.sites == "auto" else None
+        return self.gate.evaluate(scaling.run(self.driver, test_id, spec, self.capacity), relaunch=relaunch)
 
 
-def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
-            start_refusal: str | None, watch: Watch | None = None) -> Runner:
+def _driver(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Callable[[str], list[str]],
+            start_refusal: str | None, watch: Watch | None = None) -> TestDriver:
+    from .launching.driver import TestDriver
     from .launching.floor_cache import FloorCache
     from .launching.gpus import FakeGpus, GpuPlanner
-    from .launching.launcher import LauncherOptions
+    from .launching.launchers import LauncherOptions
     from .launching.leases import default_lease_dir
     from .launching.rank_setup import RankSetup
-    from .launching.runner import Runner
     from .launching.startups import Startups
     from .rankside.fakegpu.models import CALIBRATION_FILE
 
@@ -122,7 +122,7 @@ def _runner(settings: Settings, rootdir: Path, cwd: Path, rank_pytest_args: Call
         start=settings.start,
         start_refusal=start_refusal,
     )
-    return Runner(
+    return TestDriver(
         cwd=cwd,
         setup=setup,
         gpu_setup=GpuPlanner.lazy(settings.lease_dir or default_lease_dir(), settings.lease_wait, interval),

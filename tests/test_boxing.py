@@ -408,7 +408,7 @@ results["a_unhooked_losses"] = train("a", hooked=False)[1]
 
 def launch_two_ranks(script: Path, out: Path, timeout: float = 90) -> dict[int, dict]:
     """Two ranks with the launchers' env contract, each in its own session; killed at ``timeout``."""
-    from pytest_gpumem.launching.launch import free_port, oneflow_library_dirs
+    from pytest_gpumem.launching.supervise import free_port, oneflow_library_dirs
 
     out.mkdir()
     port, world = free_port(), 2

@@ -80,7 +80,7 @@ def test_gpt2(gpumem_config):
 
 def _gpu_test_run(provenance):
     from pytest_gpumem.config.spec import Defaults, parse_marker
-    from pytest_gpumem.launching.runner import TestRun
+    from pytest_gpumem.launching.launched import TestRun
 
     spec = parse_marker((), {"nproc": 1, "max_mib": 100}, Defaults())
     test = TestRun("t.py::test_gpu", spec, provenance=dict(provenance))
@@ -109,13 +109,13 @@ def test_a_graph_with_no_new_boxing_says_so_instead_of_an_empty_heading():
     from pytest_gpumem.judging.baseline import Entry
     from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.judging.verdict import judge
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runner import SizeRun
+    from pytest_gpumem.launching.launched import SizeRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     result = SizeResult(world_size=2, device="cpu", peaks={0: Peak(900.0, "live allocations (memray)")})
     test = _gpu_test_run({})
     boxings = [{"src": "P", "dst": "B", "op": "sgd (sgd)", "tensor": "w/grad (64, 16384) float32"}]
-    test.runs.append(SizeRun(result=result, launch=LaunchResult(2, "oneflow", []), outcomes={}, boxings=boxings))
+    test.runs.append(SizeRun(result=result, launch=LaunchResult(2, []), outcomes={}, boxings=boxings))
     verdict = judge(test.spec, [result])
     stored = {2: Entry(800.0, {0: 800.0}, 0, "cpu", "live allocations (memray)",
                        {"boxing.graphs": "1", "boxing.P->B": "1"})}

@@ -17,9 +17,9 @@ from pytest_gpumem.config.spec import Defaults, parse_marker
 from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
 from pytest_gpumem.launching import floor_cache
+from pytest_gpumem.launching.driver import TestDriver
 from pytest_gpumem.launching.floor_cache import FloorCache, cache_key
 from pytest_gpumem.launching.rank_setup import RankSetup
-from pytest_gpumem.launching.runner import Runner
 
 PROVENANCE = {"python": "3.11.7", "platform": "Linux-x86_64", "torch": "2.13.0", "torch_cuda": "12.8",
               "nvidia_driver": "580.159.04", "cuda_driver": "13.0", "env.OMP_NUM_THREADS": "1",
@@ -29,7 +29,7 @@ PROVENANCE = {"python": "3.11.7", "platform": "Linux-x86_64", "torch": "2.13.0",
 def key(**changes: str) -> dict[str, str]:
     prov = {**PROVENANCE, **changes}
     return cache_key(device="gpu", platform="gpu:NVIDIA H200", world_size=2, method="process sampled",
-                     launch=("direct", "gpu", (), None, "pytest_gpumem.launching.floor", ("torch", "gpu"), None),
+                     launch=("direct", "gpu", (), None, "pytest_gpumem.rankside.floor_job", ("torch", "gpu"), None),
                      provenance=prov)
 
 
@@ -114,14 +114,14 @@ def session(tmp_path: Path, cache: FloorCache, *, refresh: bool = False,
     the test's run and the programs launched, in order."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    runner = Runner(cwd=tmp_path, setup=RankSetup(rootdir=tmp_path, rank_pytest_args=lambda _: []), floor="on",
+    runner = TestDriver(cwd=tmp_path, setup=RankSetup(rootdir=tmp_path, rank_pytest_args=lambda _: []), floor="on",
                     floor_cache=cache, refresh_floors=refresh)
     launched: list[str] = []
     real = runner._launch
 
-    def counting(test_id, spec, nproc, plan):  # a spy: every launch still runs for real
+    def counting(test_id, spec, *rest, **given):  # a spy: every launch still runs for real
         launched.append(spec.module or Path(spec.script).name)
-        return real(test_id, spec, nproc, plan)
+        return real(test_id, spec, *rest, **given)
 
     runner._launch = counting
     spec = parse_marker((), {"nproc": 1, "script": str(script), "device": "cpu", "env": env or {}}, Defaults())
@@ -136,7 +136,7 @@ def session(tmp_path: Path, cache: FloorCache, *, refresh: bool = False,
 def test_the_next_session_reuses_the_floor_and_says_it_is_cached(tmp_path, launch_tag):
     pytest.importorskip("torch")
     cache = FloorCache(tmp_path / "cache" / "floors.json")
-    probe = "pytest_gpumem.launching.floor"
+    probe = "pytest_gpumem.rankside.floor_job"
 
     first, launched = session(tmp_path, cache)
     assert launched == ["job.py", probe]

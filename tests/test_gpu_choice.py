@@ -12,9 +12,9 @@ from fake_nvml import FakeGpu, FakeNvml, Snap, uuid
 from pytest_gpumem.config.spec import Defaults, parse_marker
 from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
+from pytest_gpumem.launching.driver import TestDriver
 from pytest_gpumem.launching.gpus import GpuPlanner
 from pytest_gpumem.launching.rank_setup import RankSetup
-from pytest_gpumem.launching.runner import Runner
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def run(tmp_path: Path, nvml: FakeNvml, track_host: str = "auto", **marker: obje
     script = tmp_path / "job.py"
     script.write_text(JOB)
     planner = GpuPlanner.for_this_machine(tmp_path / "leases", 5.0, 0.01, nvml=nvml)
-    runner = Runner(cwd=tmp_path, setup=RankSetup(rootdir=tmp_path, rank_pytest_args=lambda _: [],
+    runner = TestDriver(cwd=tmp_path, setup=RankSetup(rootdir=tmp_path, rank_pytest_args=lambda _: [],
                                                   track_host=track_host), gpu_setup=planner)
     spec = parse_marker((), {"nproc": 1, "script": str(script), **marker}, Defaults())
     return runner.run("job.py::test_job", spec)

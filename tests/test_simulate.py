@@ -11,10 +11,10 @@ import pytest
 from jobs import TORCH_SIMULATE
 
 from conftest import GLOO_TRANSIENT_MIB
-from pytest_gpumem.launching.launch import LaunchRequest, LaunchResult, simulated_env
-from pytest_gpumem.launching.launches import _as_world
+from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_setup import NCCL_DEFAULTS, nccl_defaults
-from pytest_gpumem.launching.runs import SizeRun
+from pytest_gpumem.launching.size_launch import _as_world
+from pytest_gpumem.launching.supervise import LaunchRequest, LaunchResult, simulated_env
 from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.rankside.protocol import RankResult
 from pytest_gpumem.rankside.simulate import SIMULATE_ENV, World, world
@@ -50,7 +50,7 @@ def test_world_renders_as_it_is_written():
 
 
 def request(simulated: tuple[int, ...], world_size: int, gpus: int, tmp_path: Path) -> LaunchRequest:
-    return LaunchRequest(launcher="direct", nproc=len(simulated), rank_argv=(), env={}, cwd=tmp_path,
+    return LaunchRequest(nproc=len(simulated), rank_argv=(), env={}, cwd=tmp_path,
                          workdir=tmp_path, timeout=10, simulated=simulated, world_size=world_size, gpus=gpus)
 
 
@@ -79,7 +79,7 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
     result = SizeResult(2, "cpu", {0: Peak(100.0, "m"), 1: Peak(120.0, "m")}, platform="cpu:x86_64",
                         host_peaks={0: Peak(100.0, "m"), 1: Peak(120.0, "m")}, rss_peaks={0: 1.0, 1: 2.0},
                         timeline=((0.5, {0: 10.0, 1: 11.0}),))
-    run = SizeRun(result=result, launch=LaunchResult(2, "direct", []),
+    run = SizeRun(result=result, launch=LaunchResult(2, []),
                   outcomes={0: RankResult("passed"), 1: RankResult("failed", error="E")},
                   problems=["rank 1 failed"])
     world = _as_world(run, (3, 7), 8)
@@ -96,7 +96,7 @@ def test_a_simulated_launch_is_filed_under_the_ranks_it_stood_for_at_the_worlds_
 
 def test_a_simulated_platform_key_is_marked_once():
     run = SizeRun(result=SizeResult(1, "gpu", {0: Peak(1.0, "m")}, platform="gpu:NVIDIA H200 (simulated)"),
-                  launch=LaunchResult(1, "direct", []), outcomes={})
+                  launch=LaunchResult(1, []), outcomes={})
     assert _as_world(run, (0,), 4).result.platform == "gpu:NVIDIA H200 (simulated)"
 
 

@@ -8,7 +8,7 @@ SNAPSHOT_ENV = "GPUMEM_TORCH_SNAPSHOT"
 # session resolves them and sets them in the ranks' environment as "1" or "0".
 BOXING_ENV = "GPUMEM_BOXING"  # off: no OneFlow nn.Graph boxing audit
 FAST_EXIT_ENV = "GPUMEM_FAST_EXIT"  # off: ranks end through the interpreter's full teardown
-# Set by the runner for each launch (settings.OPTIONS: gpumem_track_host): "0" where the figure will be GPU memory.
+# Set by the driver for each launch (settings.OPTIONS: gpumem_track_host): "0" where the figure will be GPU memory.
 TRACK_ENV = "GPUMEM_TRACK_ALLOCATIONS"  # off: no allocation tracking; host figures fall back to VmHWM
 GPU_IN_RANK_ENV = "GPUMEM_GPU_IN_RANK"  # "1": the rank samples its own GPU figure (set by the parent)
 GPU_INTERVAL_ENV = "GPUMEM_GPU_INTERVAL_S"

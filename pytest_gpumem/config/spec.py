@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Callable, Mapping
 
-LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")  # built in; a plugin may add more (launching.launcher)
+# Built in; a plugin may add more (launching.launchers). Also pyproject's entry points, which
+# test_launchers holds to these; the help texts read this order, not the metadata's (alphabetical).
+LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
 DEVICES = ("auto", "gpu", "cpu")
 # How a world size is run (rankside.simulate): for real (every rank launched), simulated (the gated

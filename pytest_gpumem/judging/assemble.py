@@ -15,7 +15,7 @@ from .verdict import Check, Verdict, ratio_figures
 
 if TYPE_CHECKING:
     from ..config.spec import Spec
-    from ..launching.runs import TestRun
+    from ..launching.launched import TestRun
 
 
 def build(test: TestRun, verdict: Verdict | None, status: Status, *, cause: Cause | None = None,

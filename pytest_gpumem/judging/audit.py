@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..launching.runs import SizeRun, TestRun
+from ..launching.launched import SizeRun, TestRun
 from ..oneflow import boxing, conversions
 from .baseline import Entry
 from .verdict import Verdict

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from ..launching.runs import TestRun
+from ..launching.launched import TestRun
 from ..measurement.provenance import CONFIG_PREFIX
 from ..measurement.size import SizeResult
 from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from ..config.settings import Settings
 from ..config.spec import Spec, Tolerance
-from ..launching.runs import TestRun
+from ..launching.launched import TestRun
 from ..measurement.provenance import CONFIG_PREFIX, config_provenance
 from ..measurement.size import ALLOCATED
 from ..sampling.allocations import is_allocation_method

@@ -18,7 +18,7 @@ from .record import SiteChange
 from .verdict import Verdict
 
 if TYPE_CHECKING:
-    from ..launching.runs import TestRun
+    from ..launching.launched import TestRun
 
 LISTED_MIB = 1.5  # a site must grow by this much to be listed: below it, a pymalloc arena's MiB
 LISTED = 8  # at most this many lines; the rest is summed

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Mapping
 
 from ..rankside.protocol import RankResult
-from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
-from .launcher import launcher
+from .launchers import Launcher
+from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"
@@ -49,9 +49,10 @@ def _tail(path: Path, lines: int) -> str:
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """What the failure text needs besides the launch: the marker's env (a PYTHONPATH there is the
-    user's), the ranks' folder, their interpreter, the launch's folder, its timeout."""
+    """What the failure text needs besides the launch: the launcher that started it, the marker's env (a
+    PYTHONPATH there is the user's), the ranks' folder, their interpreter, the launch's folder, its timeout."""
 
+    launcher: Launcher
     marker_env: Mapping[str, str]
     cwd: Path
     workdir: Path
@@ -95,10 +96,10 @@ def problems(launch: LaunchResult, outcomes: Mapping[int, RankResult], ctx: Laun
     if launch.leftovers:
         found.append(f"processes of the launch still alive after SIGKILL: {launch.leftovers}")
     found.extend(launch.problems)
-    if found and not launcher(launch.launcher).per_rank and not shown_launcher_log:
+    if found and not ctx.launcher.per_rank and not shown_launcher_log:
         log = _tail(ctx.workdir / "launcher.log", 15)
         if log:
-            found.append(f"{launch.launcher} launcher output (last lines):\n{log}")
+            found.append(f"{ctx.launcher.name} launcher output (last lines):\n{log}")
     return found
 
 
@@ -117,7 +118,7 @@ def _timed_out(launch: LaunchResult, ctx: LaunchContext) -> str:
     """A timeout no rank is to blame for by name: none had announced itself, or every one had
     reported its result and still ran (stuck on its way out)."""
     running = sorted(launch.stopped)
-    text = (f"launch timed out after {ctx.timeout:g} s at nproc={launch.nproc} (launcher {launch.launcher}); "
+    text = (f"launch timed out after {ctx.timeout:g} s at nproc={launch.nproc} (launcher {ctx.launcher.name}); "
             + (f"ranks still running after their result: {running}" if running
                else "no rank had started the plugin's rank code"))
     for rank, stack in sorted(launch.stacks.items()):
@@ -127,7 +128,7 @@ def _timed_out(launch: LaunchResult, ctx: LaunchContext) -> str:
 
 def _hung(launch: LaunchResult, rank: int, ctx: LaunchContext) -> str:
     text = (f"{who(launch, rank)} hung: no result when the launch timed out after {ctx.timeout:g} s "
-            f"at nproc={launch.nproc} (launcher {launch.launcher})")
+            f"at nproc={launch.nproc} (launcher {ctx.launcher.name})")
     stack = launch.stacks.get(rank)
     if stack:
         text += f"\n--- rank {rank} Python stack when the timeout hit ---\n{stack.rstrip()}"
@@ -149,7 +150,7 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
         head += " before the plugin's rank code started"
     tail = launch.rank_log(ctx.workdir, rank)
     from_launcher = False
-    if not tail and not launcher(launch.launcher).per_rank:  # the rank never opened its own log
+    if not tail and not ctx.launcher.per_rank:  # the rank never opened its own log
         if launcher_shown:
             return head + "; it left no log of its own (the launcher's output is above)", False
         tail = _tail(ctx.workdir / "launcher.log", _LAUNCHER_LOG_LINES)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..rankside.floor_job import FRAMEWORKS, PROBE_VERSION
 from ..storage.cache_file import now, replace_entry
-from .floor import FRAMEWORKS, PROBE_VERSION
 
 SCHEMA = 1
 MAX_ENTRIES = 256  # the oldest go first: one per framework build, driver, launcher and size

@@ -1,5 +1,5 @@
 """The floor of each figure that shows one, for the parent: from this session, from the floor
-cache, or measured by an empty launch of the probe (``floor.py``, which runs in the ranks)."""
+cache, or measured by an empty launch of the probe (``rankside/floor_job.py``, run in the ranks)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Callable
 
 from ..config.spec import Spec
 from ..measurement.size import FloorResult
-from .floor import FRAMEWORKS
+from ..rankside.floor_job import FRAMEWORKS
 from .floor_cache import FloorCache, cache_key
-from .runs import SizeRun, TestRun
+from .launched import SizeRun, TestRun
 
 LaunchProbe = Callable[[str, Spec, int], SizeRun]  # (test id, the probe's spec, world size) -> its run
 
@@ -41,7 +41,7 @@ class Floors:
         framework = next((f for f in FRAMEWORKS if f in run.provenance), None)
         if framework is None:
             return run
-        probe = replace(test.spec, script=None, module="pytest_gpumem.launching.floor",
+        probe = replace(test.spec, script=None, module="pytest_gpumem.rankside.floor_job",
                         args=(framework, result.device), device=result.device, nproc=(result.world_size,))
         key = (framework, probe.launch_key(), result.world_size)
         looked_up = key not in self._found

@@ -19,7 +19,7 @@ kept with the launch.
 What a fork cannot give a rank is what is read as a process starts: ``PYTHON*``, the loader's,
 malloc's, OpenMP's and the frameworks' start-up variables (:func:`startup_env_changes`: a marker's
 ``env`` or a changed environment setting one of them gets an exec'd rank), and the host allocation
-tracker (it must see the frameworks' imports: the host figure includes them; ``Runner._fork_refusal``).
+tracker (it must see the frameworks' imports: the host figure includes them; ``TestDriver._fork_refusal``).
 """
 
 from __future__ import annotations

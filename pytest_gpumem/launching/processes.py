@@ -20,7 +20,7 @@ _TERM_GRACE_S = 3.0
 
 
 class LaunchProcesses:
-    """The processes of the launch ``launch_id`` (a base of :class:`~.launch.Launch`)."""
+    """The processes of the launch ``launch_id`` (a base of :class:`~.supervise.Launch`)."""
 
     def __init__(self, launch_id: str) -> None:
         self.launch_id = launch_id

@@ -15,7 +15,7 @@ from itertools import accumulate
 from typing import Any, Mapping
 
 from ..measurement.size import LINES, PER_RANK, PerRank
-from .runs import SizeRun
+from .launched import SizeRun
 
 
 def rank_groups(ranks: tuple[int, ...], gpus: int | None, fake: bool) -> list[tuple[int, ...]]:

@@ -22,10 +22,10 @@ from ..sampling.identity import platform_key
 from ..sampling.sites import Site, from_dicts
 from . import failures
 from .gpus import GpuPlan
-from .launch import LaunchResult
-from .launcher import launcher
+from .launched import SizeRun
+from .launchers import Launcher
 from .rank_setup import nccl_defaults_note
-from .runs import SizeRun
+from .supervise import LaunchResult
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         supplied=tuple(dict.fromkeys(line for report in reports.values()
                                      for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
     )
-    outcomes = rank_outcomes(spec, nproc, launch, exited)
+    outcomes = rank_outcomes(spec, nproc, launch, exited, reading.context.launcher)
     graphs = read_records(protocol.rank_file(workdir, 0, "boxing"))
     run = SizeRun(result=result, launch=launch, outcomes=outcomes, provenance=provenance, notes=notes,
                   gpu_problems=list(getattr(gpu, "problems", []) or []),
@@ -126,11 +126,12 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
     return run
 
 
-def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int]) -> dict[int, protocol.RankResult]:
-    """Each rank's result: the one it wrote (a test body), else what its exit says (``exited``: it
-    wrote its exit report); ``missing`` where neither tells."""
+def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int],
+                  chosen: Launcher) -> dict[int, protocol.RankResult]:
+    """Each rank's result: the one it wrote (a test body), else what its exit says as ``chosen``, the
+    launcher that started it, tells it (``exited``: it wrote its exit report); ``missing`` where neither tells."""
     outcomes: dict[int, protocol.RankResult] = {}
-    exit_text = launcher(launch.launcher).exit_text
+    exit_text = chosen.exit_text
     for rank in range(nproc):
         code = launch.returncodes.get(rank)
         reported = launch.results.get(rank)  # read by the launch, once

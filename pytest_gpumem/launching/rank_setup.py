@@ -22,7 +22,7 @@ from ..config.env_names import (
 from ..config.spec import Spec
 from ..rankside.received import ASSUME_ENV
 from .gpus import GpuPlan
-from .launcher import launcher
+from .launchers import Launcher
 
 EXEC_ASKED = "--gpumem-start=exec"
 NOT_GPU = "not a GPU launch (auto forks those only)"
@@ -63,7 +63,7 @@ class RankSetup:
     rootdir: Path  # sites are named from here; a relative script= is found here
     rank_pytest_args: Callable[[str], list[str]]  # test id -> the rank's pytest arguments
     track_host: str = "auto"  # auto | on | off: memray in each rank (see tracks_host)
-    sites: str = "auto"  # auto | on | off: peak sites (auto: GPU ones from a relaunch, see Runner.relaunch_for_sites)
+    sites: str = "auto"  # auto | on | off: peak sites (auto: GPU ones from a relaunch, TestDriver.relaunch_for_sites)
     gpu_history: bool = False  # record torch's allocator history in every launch (sites="on" does too)
     python_allocations: str = "objects"  # objects | arenas: how the tracker counts Python's
     gpu_sampler: str = "parent"  # "parent": NVML watched from pytest; "rank": each rank's own thread
@@ -95,7 +95,7 @@ class RankSetup:
             return self.track_host == "on"
         return not ((plan.sampler is not None or plan.fake_gpu) and spec.device != "cpu")
 
-    def fork_refusal(self, spec: Spec, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
+    def fork_refusal(self, spec: Spec, chosen: Launcher, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
         """Why this launch's ranks are exec'd rather than forked from pytest (None: forked).
 
         auto forks GPU launches only: their figure is GPU memory, which a fork leaves as it is.
@@ -108,20 +108,20 @@ class RankSetup:
             return "a fake GPU loads its CUDA shim before the rank imports torch"
         if self.start == "auto" and (plan.sampler is None or spec.device == "cpu"):
             return NOT_GPU
-        if not launcher(spec.launcher).per_rank:
-            return f"launcher={spec.launcher!r} starts the ranks itself"
+        if not chosen.per_rank:
+            return f"launcher={chosen.name!r} starts the ranks itself"
         if not spec.body_mode:
             return "script= and module= run in a fresh interpreter"
         if env.get(TRACK_ENV) != "0":
             return "host allocations are tracked (a forked rank's start-up would be pytest's, not its own)"
-        if self.in_rank_gpu(spec, plan):
+        if self.in_rank_gpu(chosen, plan):
             return "each rank samples its own GPU (--gpumem-gpu-sampler=rank)"
         return self.start_refusal
 
-    def in_rank_gpu(self, spec: Spec, plan: GpuPlan) -> bool:
-        return launcher(spec.launcher).remote or (plan.sampler is not None and self.gpu_sampler == "rank")
+    def in_rank_gpu(self, chosen: Launcher, plan: GpuPlan) -> bool:
+        return chosen.remote or (plan.sampler is not None and self.gpu_sampler == "rank")
 
-    def env(self, spec: Spec, plan: GpuPlan, history: bool) -> dict[str, str]:
+    def env(self, spec: Spec, chosen: Launcher, plan: GpuPlan, history: bool) -> dict[str, str]:
         """The ranks' environment: the session's switches, what they measure, the marker's env, the GPUs."""
         # Rank-side measurements: sites (named from the rootdir), torch's allocator history for GPU sites.
         # A fake GPU keeps its history in every launch: its one figure's curve, and no relaunch for sites.
@@ -134,7 +134,7 @@ class RankSetup:
             side_env[SNAPSHOT_ENV] = "1"
         if spec.assume is not None:  # read by a simulated rank only
             side_env[ASSUME_ENV] = spec.assume
-        if self.in_rank_gpu(spec, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
+        if self.in_rank_gpu(chosen, plan):  # ranks elsewhere (srun) or asked for: each samples its own GPU
             side_env[GPU_IN_RANK_ENV] = "1"
             if plan.sampler is not None:
                 side_env[GPU_INTERVAL_ENV] = str(plan.sampler.interval_s)

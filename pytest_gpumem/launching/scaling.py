@@ -18,9 +18,9 @@ from typing import Callable
 from ..config.spec import Spec
 from ..measurement.predict import PredictError, predict
 from ..measurement.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
+from .driver import TestDriver, TestRun
+from .launched import SizeRun
 from .rank_groups import merged, rank_groups
-from .runner import Runner, TestRun
-from .runs import SizeRun
 
 # The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
 # rank code imported (30.3 MiB measured, torch venv, Python 3.11); a framework adds to it.
@@ -147,10 +147,10 @@ def _points(launched: list[SizeResult], readings: dict[int, GatedReading],
     return points, floors
 
 
-def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
+def run(driver: TestDriver, test_id: str, spec: Spec, capacity: Capacity) -> TestRun:
     """Launch what fits, simulate or predict the sizes above the cap, and show what is left."""
     chosen = plan(spec, capacity)
-    test = runner.run(test_id, chosen.launch)
+    test = driver.run(test_id, chosen.launch)
     test.spec = spec  # the limits and sizes the user asked for, simulated and predicted ones included
     test.unlaunched = {n: chosen.why for n in chosen.unlaunched}
     if test.skip_reason is not None or test.problems:
@@ -166,7 +166,7 @@ def run(runner: Runner, test_id: str, spec: Spec, capacity: Capacity) -> TestRun
         ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
         groups: list[SizeRun] = []
         for group in rank_groups(ranks, chosen.gpus, chosen.fake):  # ranks that fit the GPUs together
-            groups.append(runner.simulate(test_id, spec, n, group, chosen.gpus, fake=chosen.fake))
+            groups.append(driver.simulate(test_id, spec, n, group, chosen.gpus, fake=chosen.fake))
             if groups[-1].problems or groups[-1].all_skipped is not None:
                 break
         run = merged(groups, chosen.gpus or 0)

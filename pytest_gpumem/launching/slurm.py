@@ -33,9 +33,9 @@ from ..rankside import protocol
 from ..rankside.slurm_env import expand_hostlist, format_addresses
 from ..rankside.srun_task import LINE_PREFIX, NOT_SHARED_EXIT
 from .gpus import GpuPlan
-from .launch import STACK_DUMP_WAIT_S, Exits, Launch, LaunchRequest, read_stacks
-from .launcher import LauncherOptions
+from .launchers import LauncherOptions
 from .ports import PortLease
+from .supervise import STACK_DUMP_WAIT_S, Exits, Launch, LaunchRequest, read_stacks
 
 SHARED_SUBDIR = ".gpumem-slurm"
 _CANCEL_GRACE_S = 3.0     # SIGTERM to the step, then SIGKILL: the same grace as a local launch

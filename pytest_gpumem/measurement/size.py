@@ -18,7 +18,7 @@ DEVICE, ALLOCATED, HOST = "device", "allocated", "host"  # the figures a limit c
 
 @dataclass(frozen=True)
 class FloorResult:
-    """What an empty job of the same framework costs per rank at this size (``pytest_gpumem.launching.floor``)."""
+    """What an empty job of the same framework costs per rank at this size (``pytest_gpumem.rankside.floor_job``)."""
 
     framework: str
     ranks: Mapping[int, float]

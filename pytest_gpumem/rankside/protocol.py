@@ -9,20 +9,20 @@ sees a file complete or not at all, and each is parsed once.
 kind       written by                  read by
 =========  ==========================  ==============================================
 hello      the rank, at start          the launcher (the rank's pid, to watch it)
-log        the rank (stdout, stderr)   the runner (tail of a failing rank's output)
+log        the rank (stdout, stderr)   the driver (tail of a failing rank's output)
 stack      faulthandler, on SIGUSR1    the launcher, when a launch times out
-exit       the rank, last at exit      the runner (peaks, provenance): :class:`ExitReport`
-result     the rank's pytest           the launcher (fail fast) and the runner: :class:`RankResult`;
+exit       the rank, last at exit      the driver (peaks, provenance): :class:`ExitReport`
+result     the rank's pytest           the launcher (fail fast) and the driver: :class:`RankResult`;
                                        a failure as soon as pytest reports it (before the fixtures'
                                        teardown), any other outcome when the rank's pytest ends
 body       the rank's pytest, as the   the launcher: a launch whose rendezvous port was lost is
            test body starts            relaunched only while no rank has started its body
-config     the ``gpumem_config`` call  the runner (declared settings, for provenance)
-boxing     the nn.Graph audit          the runner (``boxing.read_records``)
-eager      the eager global audit      the runner (``conversions.read``)
+config     the ``gpumem_config`` call  the driver (declared settings, for provenance)
+boxing     the nn.Graph audit          the driver (``boxing.read_records``)
+eager      the eager global audit      the driver (``conversions.read``)
 glog       OneFlow's glog folder, set  the rank's eager audit (its boxing logger's INFO lines)
            unless the job chose one
-snapshot   torch's allocator           the runner (moved out before the folder goes)
+snapshot   torch's allocator           the driver (moved out before the folder goes)
 memray     the allocation tracker      the rank itself (read back at exit, then removed)
 task       the srun shim on a node     the srun launcher (node, pid, exit status)
 =========  ==========================  ==============================================

@@ -56,7 +56,7 @@ def _cwd() -> str | None:
 
 # The folder this interpreter started in, which it resolved relative PYTHONPATH entries against
 # (plugin.py imports this module as pytest starts, before pytester or a test changes folder):
-# the launch hands the ranks those entries made absolute (launching.launch.absolute_pythonpath).
+# the launch hands the ranks those entries made absolute (launching.supervise.absolute_pythonpath).
 STARTUP_CWD = _cwd()
 
 @dataclass

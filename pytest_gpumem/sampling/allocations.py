@@ -29,7 +29,7 @@ to later ranks, which track from their setup only (``startup``): their figure is
 start-up's blocks, so what the job frees of them is not subtracted: the same excess at every
 launch (docs/host.md). ``memory_interval_ms`` stays at memray's default: its thread's own
 allocations are in the peak. The tracker runs only where its figure is gated (``gpumem_track_host``,
-decided by the runner).
+decided by the driver).
 """
 
 from __future__ import annotations

@@ -239,8 +239,8 @@ def test_the_fill_check_sees_a_handed_object_changed_through_a_loop():
 # Where a size's gated reading is made: once judging starts (a finished run's readings), and before it
 # for the sizes the launch cap fits a prediction to and a size relaunched for its peak sites; ``judge``
 # makes them for a caller that hands it results without a run.
-_READERS = {"launching/runs.py:readings", "judging/verdict.py:judge", "launching/scaling.py:_predict",
-            "launching/runner.py:_with_sites"}
+_READERS = {"launching/launched.py:readings", "judging/verdict.py:judge", "launching/scaling.py:_predict",
+            "launching/driver.py:_with_sites"}
 
 
 def test_which_rank_is_gated_is_decided_in_one_place():

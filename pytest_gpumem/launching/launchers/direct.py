@@ -9,8 +9,8 @@ from typing import Callable, Mapping
 
 from ...rankside import protocol
 from .. import forking
-from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode, direct_env, rank_target, simulated_env
-from ..launcher import LauncherOptions, LocalLauncher
+from ..supervise import Launch, LaunchRequest, LaunchResult, describe_returncode, direct_env, rank_target, simulated_env
+from . import LauncherOptions, LocalLauncher
 
 
 class DirectLaunch(Launch):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..launch import Launch, LaunchRequest, bound_python, rank_target
-from ..launcher import LauncherOptions, LocalLauncher
+from ..supervise import Launch, LaunchRequest, bound_python, rank_target
+from . import LauncherOptions, LocalLauncher
 
 
 class OneflowLaunch(Launch):

@@ -9,8 +9,8 @@ from typing import Callable
 from ...config.spec import Spec
 from .. import slurm
 from ..gpus import GpuPlan
-from ..launch import Launch, LaunchRequest, LaunchResult, describe_returncode
-from ..launcher import LauncherOptions
+from ..supervise import Launch, LaunchRequest, LaunchResult, describe_returncode
+from . import LauncherOptions
 
 
 class Srun:
@@ -30,4 +30,4 @@ class Srun:
     def exit_text(self, launch: LaunchResult, rank: int) -> str:
         if rank in launch.returncodes:  # the task shim saw the rank end
             return describe_returncode(launch.returncodes[rank])
-        return f"{launch.launcher} launcher {describe_returncode(launch.launcher_returncode)}"
+        return f"{self.name} launcher {describe_returncode(launch.launcher_returncode)}"

@@ -618,8 +618,8 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     from pytest_gpumem.config.settings import resolve
     from pytest_gpumem.config.spec import Defaults, parse_marker
     from pytest_gpumem.judging.gate import Gate
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
     from pytest_gpumem.measurement.size import SizeResult
     from pytest_gpumem.sampling import AllocatedPeak, Peak
 
@@ -632,7 +632,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     for n, platform, real in ((1, "gpu:NVIDIA H200", 11046.75), (8, "gpu:NVIDIA H200 (simulated)", 7228.61)):
         result = SizeResult(n, "gpu", {0: Peak(real + 900, "per-pid sampled")}, platform=platform,
                             allocated={0: AllocatedPeak(real, real + 100, "torch")})
-        test.runs.append(SizeRun(result=result, launch=LaunchResult(n, "torchrun", []), outcomes={}))
+        test.runs.append(SizeRun(result=result, launch=LaunchResult(n, []), outcomes={}))
     gate = Gate(resolve({}, {}, {}, rootdir=tmp_path, enabled=True, refresh=False), store)
     assert gate._fake_gpu_difference(test) == [
         "fake GPU vs this GPU: the gpu:NVIDIA H200 (fake) baseline's allocator figure vs this run's, "
@@ -641,7 +641,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     fake_run = TestRun("t.py::test_fsdp", spec, runs=[SizeRun(
         result=SizeResult(1, "gpu", {0: Peak(11046.76, "fake")}, platform="gpu:NVIDIA H200 (fake)",
                           allocated={0: AllocatedPeak(11046.76, None, "torch")}, fake_gpu="NVIDIA H200"),
-        launch=LaunchResult(1, "torchrun", []), outcomes={})])
+        launch=LaunchResult(1, []), outcomes={})])
     assert gate._fake_gpu_difference(fake_run) == []  # a fake run is the fake figure: nothing to say
 
 

@@ -386,8 +386,8 @@ def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_movin
     from pytest_gpumem.config.settings import resolve
     from pytest_gpumem.judging.baseline import BaselineStore, Entry
     from pytest_gpumem.judging.gate import Gate
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     gate = Gate(resolve({}, {}, {}, rootdir=tmp_path, enabled=True, refresh=False), BaselineStore(tmp_path))
 
@@ -396,7 +396,7 @@ def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_movin
         kw = {"nproc": 1} if given is None else {"nproc": 1, "tolerance": given}
         test = TestRun("t.py::test", parse_marker((), kw, Defaults()), provenance={"cpu_model": cpu})
         result = SizeResult(1, device, {0: Peak(300.0, method)})
-        test.runs.append(SizeRun(result=result, launch=LaunchResult(1, "direct", []), outcomes={}))
+        test.runs.append(SizeRun(result=result, launch=LaunchResult(1, []), outcomes={}))
         entry = Entry(300.0, {0: 300.0}, 0, device, method, {"cpu_model": stored_cpu})
         found, note = gate._tolerance(test, 1, entry)
         return str(found), [note] if note else []
@@ -431,8 +431,8 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
     4 (which has no sites), and the failure names both."""
     from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.judging.growth import grown_sites
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runs import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
     from pytest_gpumem.sampling.sites import Site
 
     spec = parse_marker((), {"nproc": [4, 8], "reference": 4, "rank": "all", "max_ratio": 1.05}, Defaults())
@@ -443,7 +443,7 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
         top = max(peaks, key=lambda r: peaks[r])
         result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
                             sites={top: sites})
-        return SizeRun(result, LaunchResult(n, "direct", []), {})
+        return SizeRun(result, LaunchResult(n, []), {})
 
     test = TestRun("t.py::test_tp_pp", spec, runs=[
         run(4, {0: 1500.0, 1: 1600.0, 2: 900.0, 3: 900.0}, (grads,)),
@@ -462,12 +462,12 @@ def test_grown_sites_compare_the_largest_rank_with_the_references_largest():
 
 
 def _pipeline_run(n: int, peaks: dict[int, float], sites: dict[int, tuple] | None = None):
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runs import SizeRun
+    from pytest_gpumem.launching.launched import SizeRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     result = SizeResult(n, "cpu", {r: Peak(mib, "live allocations (memray)") for r, mib in peaks.items()},
                         sites=sites or {})
-    return SizeRun(result, LaunchResult(n, "direct", []), {})
+    return SizeRun(result, LaunchResult(n, []), {})
 
 
 HEALTHY_STAGES = {0: 1300.0, 1: 1800.0, 2: 1790.0, 3: 2150.0}  # the last stage the largest (1F1B at 4)
@@ -514,7 +514,7 @@ def test_rank_all_names_the_line_of_the_rank_that_grew_most_against_its_own_stor
     from pytest_gpumem.judging.baseline import Entry
     from pytest_gpumem.judging.explain import explain_failure
     from pytest_gpumem.judging.growth import grown_sites, stored_sites
-    from pytest_gpumem.launching.runs import TestRun
+    from pytest_gpumem.launching.launched import TestRun
     from pytest_gpumem.sampling.sites import Site
 
     layer = Site("test_pp.py:20", "forward", "linear", 200.0)

@@ -6,17 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from pytest_gpumem.launching.failures import CUDA_HINT, LaunchContext, import_hint, problems
-from pytest_gpumem.launching.launch import LaunchResult, absolute_pythonpath
+from pytest_gpumem.launching.launchers import launcher
+from pytest_gpumem.launching.supervise import LaunchResult, absolute_pythonpath
 from pytest_gpumem.rankside.protocol import RankResult
 
 
 def ctx(tmp_path: Path, **kw) -> LaunchContext:
-    return LaunchContext(**{"marker_env": {}, "cwd": tmp_path, "workdir": tmp_path, "timeout": 60.0,
-                            "body_mode": True, "python": "/venv/bin/python", **kw})
+    return LaunchContext(**{"launcher": launcher("direct"), "marker_env": {}, "cwd": tmp_path, "workdir": tmp_path,
+                            "timeout": 60.0, "body_mode": True, "python": "/venv/bin/python", **kw})
 
 
 def launch(**kw) -> LaunchResult:
-    return LaunchResult(**{"nproc": 3, "launcher": "direct", "command": [], "pids": {0: 10, 1: 11, 2: 12}, **kw})
+    return LaunchResult(**{"nproc": 3, "command": [], "pids": {0: 10, 1: 11, 2: 12}, **kw})
 
 
 def test_the_first_failure_leads_the_others_follow_in_order_and_the_stopped_come_last(tmp_path):
@@ -102,9 +103,9 @@ def test_relative_pythonpath_entries_are_made_absolute_as_python_does():
 def test_the_launchers_output_is_shown_once_for_ranks_without_a_log(tmp_path):
     """torchrun that never started its ranks before the timeout: both ranks point at one copy."""
     (tmp_path / "launcher.log").write_text("torchrun: starting\nReceived 15 death signal\n")
-    run = launch(nproc=2, launcher="torchrun", pids={}, end="timeout", timed_out=True, launcher_returncode=-9)
+    run = launch(nproc=2, pids={}, end="timeout", timed_out=True, launcher_returncode=-9)
     missing = {r: RankResult("missing", "torchrun launcher killed by SIGKILL") for r in (0, 1)}
-    text = "\n".join(problems(run, missing, ctx(tmp_path)))
+    text = "\n".join(problems(run, missing, ctx(tmp_path, launcher=launcher("torchrun"))))
     assert text.count("Received 15 death signal") == 1
     assert text.splitlines()[0] == ("launch timed out after 60 s at nproc=2 (launcher torchrun); no rank had "
                                     "started the plugin's rank code")
@@ -128,7 +129,7 @@ Current thread 0x00007f3a2e1b9740 (most recent call first):
 def test_a_rank_stopped_while_finishing_the_plugins_own_work_is_said_in_one_line(tmp_path):
     """The issue-36 noise: the failed rank was stopped while its allocation capture was being
     written; its stack held only the plugin's frames, which say nothing about the user's job."""
-    from pytest_gpumem.launching.launch import _user_frames
+    from pytest_gpumem.launching.supervise import _user_frames
 
     assert _user_frames(FINISHING_CAPTURE) == ""
     run = launch(nproc=1, pids={0: 10}, end="fail-fast", failed_at={0: 0.4}, stopped=frozenset({0}),
@@ -141,7 +142,7 @@ def test_a_rank_stopped_while_finishing_the_plugins_own_work_is_said_in_one_line
 
 
 def test_a_stopped_ranks_stack_in_the_users_code_keeps_only_the_users_frames():
-    from pytest_gpumem.launching.launch import _user_frames
+    from pytest_gpumem.launching.supervise import _user_frames
 
     dump = FINISHING_CAPTURE.replace(
         '  File "/venv/lib/python3.11/site-packages/pytest_gpumem/sampling/allocations.py", line 122 in _close\n',

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.config.spec import LAUNCHERS
-from pytest_gpumem.launching.launcher import launcher, registered
+from pytest_gpumem.launching.launchers import launcher, registered
 
 PACKAGE = Path(__file__).resolve().parents[3] / "pytest_gpumem"
 
@@ -35,7 +35,7 @@ def test_no_module_compares_a_launcher_s_name():
     compare = re.compile(r"launcher\s*(==|!=|in|not in)\s*[(\"']")
     found = [f"{path.relative_to(PACKAGE)}:{n}" for path in PACKAGE.rglob("*.py") if path.parent.name != "config"
              for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
-    assert found == [], "ask the Launcher (launching/launcher.py) instead of comparing its name"
+    assert found == [], "ask the Launcher (launching/launchers/__init__.py) instead of comparing its name"
 
 
 def test_a_checkout_on_the_path_not_installed_finds_the_launchers_its_pyproject_declares(monkeypatch):
@@ -43,7 +43,7 @@ def test_a_checkout_on_the_path_not_installed_finds_the_launchers_its_pyproject_
     import importlib.metadata
 
     from pytest_gpumem.config.spec import LAUNCHER_ENTRY_POINTS, launcher_entry_points
-    from pytest_gpumem.launching import launcher as module
+    from pytest_gpumem.launching import launchers as module
 
     installed = {p.name: p.value for p in importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS)
                  if p.module.startswith("pytest_gpumem.")}

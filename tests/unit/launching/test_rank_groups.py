@@ -1,8 +1,8 @@
 """Simulated ranks that do not fit the GPUs together run in groups, one after another, merged into one run."""
 
-from pytest_gpumem.launching.launch import LaunchResult
+from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_groups import merged, rank_groups
-from pytest_gpumem.launching.runs import SizeRun
+from pytest_gpumem.launching.supervise import LaunchResult
 from pytest_gpumem.measurement.size import SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 
@@ -23,7 +23,7 @@ def group(ranks, mib, seconds):
     peaks = {r: Peak(m, "per-pid sampled") for r, m in zip(ranks, mib)}
     result = SizeResult(8, "gpu", peaks, platform="gpu:NVIDIA H200 (simulated)", duration_s=seconds,
                         timeline=((1.0, {r: m for r, m in zip(ranks, mib)}),), simulated=ranks)
-    return SizeRun(result=result, launch=LaunchResult(8, "direct", []), outcomes={}, notes=["same note"])
+    return SizeRun(result=result, launch=LaunchResult(8, []), outcomes={}, notes=["same note"])
 
 
 def test_the_groups_merge_into_one_run_of_the_worlds_size_on_one_time_axis_and_say_their_cost():

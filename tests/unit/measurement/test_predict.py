@@ -267,14 +267,14 @@ def test_sizes_this_hosts_memory_cannot_hold_are_not_started_and_say_why():
 # ----------------------------------------------------------------------------- renderings of a record
 
 def _predicted_record():
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runner import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {0: Peak(580.0 + 20 * n, "high-water mark")}) for n in (1, 2, 4)]
     p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)
     test = TestRun("t/p.py::test_grows", s,
-                   runs=[SizeRun(r, LaunchResult(r.world_size, "direct", []), {}) for r in launched],
+                   runs=[SizeRun(r, LaunchResult(r.world_size, []), {}) for r in launched],
                    predicted=[SizeResult(8, "cpu", {}, prediction=p)])
     return build(test, judge(s, test.results), "failed", cause="limit")
 
@@ -316,14 +316,14 @@ def test_the_plot_of_a_predicted_size_shows_the_fit(tmp_path):
 
 def test_a_failure_only_at_a_predicted_size_shows_the_boxing_of_the_largest_launched_size():
     from pytest_gpumem.judging.explain import explain_failure
-    from pytest_gpumem.launching.launch import LaunchResult
-    from pytest_gpumem.launching.runner import SizeRun, TestRun
+    from pytest_gpumem.launching.launched import SizeRun, TestRun
+    from pytest_gpumem.launching.supervise import LaunchResult
 
     s = spec(nproc=[1, 2, 4, 8], max_ratio=1.2, allow_mib=16)
     launched = [SizeResult(n, "cpu", {r: Peak(580.0 + 20 * n, "high-water mark") for r in range(n)}) for n in (1, 2, 4)]
     gather = {"src": "S(0)", "dst": "B", "op": "cast-0 (cast)", "tensor": "x/out (4096, 1024) float32", "placement": ""}
     grad = {"src": "P", "dst": "B", "op": "w_opt (sgd_update)", "tensor": "g/out (64,) float32", "placement": ""}
-    runs = [SizeRun(r, LaunchResult(r.world_size, "direct", []), {},
+    runs = [SizeRun(r, LaunchResult(r.world_size, []), {},
                     boxings=[] if r.world_size == 1 else [grad, gather])
             for r in launched]
     p = predict([(r.world_size, r.peaks[0].mib) for r in launched], 8)

@@ -7,7 +7,7 @@ measured the same way as the test, so a report can show floor and job apart and 
 which part moved. Its figures are kept across sessions (``floor_cache``): a later session launches
 no probe unless the machine, the driver, the framework, Python or the launch changed.
 
-Run inside a rank: ``python -m pytest_gpumem.rankside.rank module pytest_gpumem.launching.floor FRAMEWORK DEVICE``.
+Run inside a rank: ``python -m pytest_gpumem.rankside.rank module pytest_gpumem.rankside.floor_job FRAMEWORK DEVICE``.
 """
 
 from __future__ import annotations

@@ -47,9 +47,8 @@ _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """One launch: which launcher, how many ranks, what each rank runs, where it may write."""
+    """One launch, handed to the launcher that starts it: how many ranks, what each rank runs, where it may write."""
 
-    launcher: str
     nproc: int
     rank_argv: tuple[str, ...]      # arguments of ``python -m pytest_gpumem.rankside.rank``
     env: Mapping[str, str]          # extra environment (marker env, CUDA_VISIBLE_DEVICES, ...)
@@ -70,7 +69,6 @@ class LaunchRequest:
 @dataclass
 class LaunchResult:
     nproc: int
-    launcher: str
     command: list[str]
     pids: dict[int, int] = field(default_factory=dict)
     returncodes: dict[int, int] = field(default_factory=dict)  # direct launcher only
@@ -99,7 +97,7 @@ class LaunchResult:
     port: int | None = None                # the rendezvous port (MASTER_PORT) the launch was given
     port_note: str | None = None           # why the port was not leased (a free one was chosen)
     # The rendezvous port was taken by another program before any rank's test body started: the line
-    # that says so (a relaunch on another port runs no user test body twice; runner.py does it).
+    # that says so (a relaunch on another port runs no user test body twice; size_launch.py does it).
     port_lost: str | None = None
 
     def rank_log(self, workdir: Path, rank: int, lines: int = 40) -> str:
@@ -237,7 +235,7 @@ class Launch(LaunchProcesses):
                 exits = self._exit_codes(timed_out=ending.end == "timeout")
                 self._read_results()
                 result = LaunchResult(
-                    nproc=req.nproc, launcher=req.launcher, command=command, pids=dict(self._pids),
+                    nproc=req.nproc, command=command, pids=dict(self._pids),
                     returncodes=exits.returncodes, launcher_returncode=exits.launcher_returncode,
                     timed_out=ending.end == "timeout", duration_s=duration, stacks=ending.stacks,
                     leftovers=leftovers, nodes=exits.nodes, problems=list(exits.problems),

@@ -1,6 +1,6 @@
 """One launch of one world size: its folder, its samplers, the request to its launcher, the ranks'
 files read back, their snapshots kept; a relaunch on another port where the rendezvous port was
-lost before any test body started. :class:`~.runner.Runner` decides what to launch; this runs it.
+lost before any test body started. :class:`~.driver.TestDriver` decides what to launch; this runs it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key
 from . import failures
 from .gpus import GpuPlan
-from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
-from .launcher import LauncherOptions, launcher
+from .launched import SizeRun
+from .launchers import Launcher, LauncherOptions, launcher
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
-from .runs import SizeRun
+from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
 from .watch import Follower, Watch, what
 from .workdirs import make_workdir, sweep_orphans
 
@@ -32,7 +32,7 @@ GpuSetup = Callable[[Spec, int, str], GpuPlan]
 PORT_ATTEMPTS = 3  # launches of one size whose rendezvous port was lost before any test body started
 
 
-class Launches:
+class SizeLaunch:
     """What every launch of a session shares: where the ranks run, their setup, the GPUs' source,
     the launcher's options, the fail-fast grace, the snapshot folder."""
 
@@ -52,17 +52,23 @@ class Launches:
         self.simulated_gpus: int | None = None  # GPUs a simulated size's ranks share (None: host)
         self._swept = False
 
-    def plan(self, spec: Spec, nproc: int, test_id: str, fake: bool = False) -> GpuPlan:
+    def plan(self, spec: Spec, nproc: int, test_id: str, fake: bool = False) -> tuple[Launcher, GpuPlan]:
+        """Where a size starts: its launcher (the marker's name looked up here, once, and the object
+        handed down) and its GPUs."""
+        chosen = launcher(spec.launcher)
+        return chosen, self._gpus(spec, chosen, nproc, test_id, fake)
+
+    def _gpus(self, spec: Spec, chosen: Launcher, nproc: int, test_id: str, fake: bool = False) -> GpuPlan:
         """The launch's GPUs: the launcher's own, leased here, or a fake GPU's."""
         if fake:
             if self.fake_gpus is None:
                 return GpuPlan(skip_reason="a fake GPU was asked for, but this session has none set up")
             return self.fake_gpus(spec, nproc, test_id)
-        own = launcher(spec.launcher).plan(spec, nproc)  # e.g. srun: Slurm binds the GPUs
+        own = chosen.plan(spec, nproc)  # e.g. srun: Slurm binds the GPUs
         return own if own is not None else self.gpu_setup(spec, nproc, test_id)
 
-    def _new_workdir(self, spec: Spec) -> Path:
-        shared = launcher(spec.launcher).workdir(self.launcher_options)  # e.g. srun: one every node sees
+    def _new_workdir(self, chosen: Launcher) -> Path:
+        shared = chosen.workdir(self.launcher_options)  # e.g. srun: one every node sees
         if shared is not None:
             return shared
         if not self._swept:  # once per session, at the first local launch: nothing paid when unused
@@ -76,24 +82,24 @@ class Launches:
             return world_size
         return min(len(simulated), self.simulated_gpus) if self.simulated_gpus else len(simulated)
 
-    def launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, *, history: bool = False,
+    def launch(self, test_id: str, spec: Spec, chosen: Launcher, nproc: int, plan: GpuPlan, *, history: bool = False,
                simulated: tuple[int, ...] = (), startup: str = "", label: str = "") -> SizeRun:
-        """One launch at world size ``nproc``: all its ranks, or only the ``simulated`` ones, each
-        given ``startup`` as its ``GPUMEM_STARTUP``; relaunched on another port where the rendezvous
-        port was lost before any test body started. ``label`` names a launch that is not the test's own
-        measurement in its progress line ("floor", "start-up probe", "peak sites")."""
+        """One launch at world size ``nproc`` by ``chosen`` (``plan``'s launcher): all its ranks, or only
+        the ``simulated`` ones, each given ``startup`` as its ``GPUMEM_STARTUP``; relaunched on another
+        port where the rendezvous port was lost before any test body started. ``label`` names a launch
+        that is not the test's own measurement in its progress line ("floor", "start-up probe", "peak sites")."""
         if plan.error is not None:  # e.g. the GPUs stayed busy past the lease wait
-            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+            return SizeRun(result=SizeResult(nproc, "gpu", {}), launch=LaunchResult(nproc, []),
                            outcomes={}, problems=[plan.error])
         lost: list[str] = []
         while True:
             try:
-                workdir = self._new_workdir(spec)
+                workdir = self._new_workdir(chosen)
             except OSError as exc:
-                return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, spec.launcher, []),
+                return SizeRun(result=SizeResult(nproc, "cpu", {}), launch=LaunchResult(nproc, []),
                                outcomes={}, problems=[str(exc)])
             try:  # the folder goes whatever happens, Ctrl-C included
-                run = self._watched(test_id, label, spec, nproc, plan, workdir, history, simulated, startup)
+                run = self._watched(test_id, label, spec, chosen, nproc, plan, workdir, history, simulated, startup)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
             if run.launch.port_lost is None or len(lost) + 1 >= PORT_ATTEMPTS:
@@ -102,14 +108,14 @@ class Launches:
             # launch again on another port, with fresh samplers (the GPUs were released with it).
             lost.append(f"rendezvous port {run.launch.port} was taken by another program before any rank's "
                         f"test body started ({run.launch.port_lost}): relaunched on another port")
-            plan = self.plan(spec, self.processes(nproc, simulated), test_id)
+            plan = self._gpus(spec, chosen, self.processes(nproc, simulated), test_id)
             if plan.skip_reason is not None or plan.error is not None:
                 break
         run.notes = lost + run.notes
         return run
 
-    def _watched(self, test_id: str, label: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
-                 history: bool, simulated: tuple[int, ...], startup: str) -> SizeRun:
+    def _watched(self, test_id: str, label: str, spec: Spec, chosen: Launcher, world: int, plan: GpuPlan,
+                 workdir: Path, history: bool, simulated: tuple[int, ...], startup: str) -> SizeRun:
         """``_launch_in``, said as it starts and ends (``Watch.progress``), and for the test's own
         launch (no ``label``) rank 0's output followed while it runs (``Watch.echo``)."""
         said = f"gpumem: {test_id}{f' {label}' if label else ''} {what(world, simulated, plan.fake_gpu)}"
@@ -122,11 +128,11 @@ class Launches:
         started = time.perf_counter()
         try:
             if echo is None:
-                run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+                run = self._launch_in(test_id, spec, chosen, world, plan, workdir, history, simulated, startup)
             else:
                 rank = simulated[0] if simulated else 0
                 with Follower(protocol.rank_file(workdir, 0, "log"), echo, f"[rank {rank}] "):
-                    run = self._launch_in(test_id, spec, world, plan, workdir, history, simulated, startup)
+                    run = self._launch_in(test_id, spec, chosen, world, plan, workdir, history, simulated, startup)
         finally:  # erased whatever ends the launch, Ctrl-C included
             if running is not None:
                 running("")
@@ -136,12 +142,11 @@ class Launches:
             progress(f"{said}: {how} in {time.perf_counter() - started:.1f} s")
         return run
 
-    def _launch_in(self, test_id: str, spec: Spec, world: int, plan: GpuPlan, workdir: Path,
+    def _launch_in(self, test_id: str, spec: Spec, chosen: Launcher, world: int, plan: GpuPlan, workdir: Path,
                    history: bool, simulated: tuple[int, ...], startup: str) -> SizeRun:
         nproc = len(simulated) or world  # processes
         host = HostSampler(self.host_interval_s) if self.host_interval_s else HostSampler()
         samplers: list[Sampler] = [host] + ([plan.sampler] if plan.sampler is not None else [])
-        chosen = launcher(spec.launcher)
         remote = chosen.remote
 
         def on_rank(rank: int, pid: int) -> None:
@@ -150,10 +155,9 @@ class Launches:
             for sampler in samplers:
                 sampler.add_process(rank, pid)
 
-        env = {**self.setup.env(spec, plan, history), STARTUP_ENV: startup}
-        refused = self.setup.fork_refusal(spec, plan, env)
+        env = {**self.setup.env(spec, chosen, plan, history), STARTUP_ENV: startup}
+        refused = self.setup.fork_refusal(spec, chosen, plan, env)
         request = LaunchRequest(
-            launcher=spec.launcher,
             nproc=nproc,
             rank_argv=self.setup.argv(test_id, spec),
             env=env,
@@ -177,9 +181,9 @@ class Launches:
                 sampler.stop()
             plan.release()
         reading = Reading(
-            in_rank_gpu=self.setup.in_rank_gpu(spec, plan),
+            in_rank_gpu=self.setup.in_rank_gpu(chosen, plan),
             untracked_host=self.setup.track_host == "auto" and not self.setup.tracks_host(spec, plan),
-            context=failures.LaunchContext(marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
+            context=failures.LaunchContext(launcher=chosen, marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
                                            timeout=spec.timeout, body_mode=spec.body_mode,
                                            fail_fast_grace=self.fail_fast_grace,
                                            without_gpu=spec.device == "auto" and plan.gpu_name is None))

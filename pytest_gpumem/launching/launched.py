@@ -10,7 +10,7 @@ from ..config.spec import Spec
 from ..measurement.size import GatedReading, SizeResult, gated_reading
 from ..oneflow.conversions import Conversion
 from ..rankside import protocol
-from .launch import LaunchResult
+from .supervise import LaunchResult
 
 
 @dataclass

@@ -16,19 +16,21 @@ from ..measurement.size import SizeResult, gated_reading
 from .floor_cache import FloorCache
 from .floors import Floors
 from .gpus import GpuPlan, GpuPlanner
-from .launch import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
-from .launcher import LauncherOptions
-from .launches import GpuSetup, Launches
+from .launched import SizeRun, TestRun
+from .launchers import Launcher, LauncherOptions
 from .rank_setup import RankSetup
-from .runs import SizeRun, TestRun
+from .size_launch import GpuSetup, SizeLaunch
 from .startups import Startups
+from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
 from .watch import Watch
 
 
-class Runner:
+class TestDriver:
     """One gpumem test's launches: each world size, the nproc=1 reference reused, the floors, the
     ranks' start-up (a probe, once: ``startups``), a relaunch for peak sites, a simulated world; the
     ranks' files read by ``rank_reading``."""
+
+    __test__ = False  # not a test class, though its name starts with Test (pytest collects by name)
 
     def __init__(
         self,
@@ -47,7 +49,7 @@ class Runner:
         fake_gpus: GpuSetup | None = None,
         watch: Watch | None = None,
     ) -> None:
-        self.launches = Launches(cwd=cwd, setup=setup, gpu_setup=gpu_setup, host_interval_s=host_interval_s,
+        self.size_launch = SizeLaunch(cwd=cwd, setup=setup, gpu_setup=gpu_setup, host_interval_s=host_interval_s,
                                  snapshot_dir=snapshot_dir, launcher_options=launcher_options,
                                  fail_fast_grace=fail_fast_grace, fake_gpus=fake_gpus, watch=watch)
         self._references: dict[tuple, SizeRun] = {}
@@ -76,11 +78,11 @@ class Runner:
                     provenance=reused.provenance,
                 )
             else:
-                plan = self.launches.plan(spec, nproc, test_id)
+                chosen, plan = self.size_launch.plan(spec, nproc, test_id)
                 if plan.skip_reason is not None:
                     test.skip_reason = plan.skip_reason
                     return test
-                run = self._launch(test_id, spec, nproc, plan)
+                run = self._launch(test_id, spec, chosen, nproc, plan)
                 if nproc == 1 and not run.problems and run.all_skipped is None:
                     self._references[key] = run
                 if nproc not in spec.nproc and run.problems:
@@ -95,8 +97,8 @@ class Runner:
         return test
 
     def _launch_probe(self, test_id: str, probe: Spec, nproc: int) -> SizeRun:
-        return self._launch(test_id, probe, nproc, self.launches.plan(probe, nproc, f"{test_id} (floor)"),
-                            label="floor")
+        chosen, plan = self.size_launch.plan(probe, nproc, f"{test_id} (floor)")
+        return self._launch(test_id, probe, chosen, nproc, plan, label="floor")
 
     def relaunch_for_sites(self, test: TestRun, sizes: set[int]) -> TestRun:
         """``test`` with the GPU peak sites of ``sizes``, from a relaunch with torch's allocator
@@ -115,12 +117,13 @@ class Runner:
         if result.device != "gpu" or result.sites or result.predicted:
             return run
         spec = replace(test.spec, launcher="direct") if result.simulated else test.spec
-        processes = self.launches.processes(result.world_size, result.simulated)
-        plan = self.launches.plan(spec, processes, f"{test.test_id} (peak sites)", fake=bool(result.fake_gpu))
+        processes = self.size_launch.processes(result.world_size, result.simulated)
+        chosen, plan = self.size_launch.plan(spec, processes, f"{test.test_id} (peak sites)",
+                                             fake=bool(result.fake_gpu))
         if plan.skip_reason is not None:
             return run
-        again = self._launch(test.test_id, spec, result.world_size, plan, history=True, simulated=result.simulated,
-                             label="peak sites")
+        again = self._launch(test.test_id, spec, chosen, result.world_size, plan, history=True,
+                             simulated=result.simulated, label="peak sites")
         rank, relaunched = test.readings[result.world_size].rank, gated_reading(again.result, test.spec.rank)
         found = again.result.sites.get(rank) if rank is not None else None
         if again.problems or rank is None or not found:
@@ -142,16 +145,16 @@ class Runner:
         process with a stand-in communicator (``rankside.simulate``), all at once, sharing the
         ``gpus`` GPUs present (None: host memory), or each on a fake GPU (``fake``). Its figures are
         keyed by the ranks they stand for."""
-        self.launches.simulated_gpus = None if fake else gpus
+        self.size_launch.simulated_gpus = None if fake else gpus
         direct = replace(spec, launcher="direct")  # a launcher would start the whole world
-        plan = self.launches.plan(direct, self.launches.processes(world_size, ranks),
-                                  f"{test_id} (simulated nproc={world_size})", fake=fake)
+        chosen, plan = self.size_launch.plan(direct, self.size_launch.processes(world_size, ranks),
+                                             f"{test_id} (simulated nproc={world_size})", fake=fake)
         if plan.skip_reason is not None:
             return SizeRun(result=SizeResult(world_size, "gpu", {}, simulated=ranks),
-                           launch=LaunchResult(world_size, "direct", []), outcomes={}, problems=[plan.skip_reason])
-        return self._launch(test_id, direct, world_size, plan, simulated=ranks)
+                           launch=LaunchResult(world_size, []), outcomes={}, problems=[plan.skip_reason])
+        return self._launch(test_id, direct, chosen, world_size, plan, simulated=ranks)
 
-    def _startup(self, test_id: str, spec: Spec, world: int, plan: GpuPlan,
+    def _startup(self, test_id: str, spec: Spec, chosen: Launcher, world: int, plan: GpuPlan,
                  simulated: tuple[int, ...]) -> tuple[str, SizeRun | None]:
         """The ranks' ``GPUMEM_STARTUP`` (their start-up's figures, from this session, the cache or a
         probe launched now; "" tracks them whole), or the probe's run where the probe showed the
@@ -163,8 +166,8 @@ class Runner:
             return found, None
         # The launch's own GPUs (held by its plan while the probe runs), no sampler: nothing is gated.
         probe_plan = GpuPlan(env=dict(plan.env), gpu_name=plan.gpu_name, provenance=dict(plan.provenance))
-        probe = self.launches.launch(test_id, spec, world, probe_plan, simulated=simulated, startup="probe",
-                                     label="start-up probe")
+        probe = self.size_launch.launch(test_id, spec, chosen, world, probe_plan, simulated=simulated,
+                                        startup="probe", label="start-up probe")
         if len(probe.startups) == (len(simulated) or world):
             self.startups.learn(test_id, launch, world, probe.startups, probe.startup_files)
             return self.startups.env(test_id, launch, world), None
@@ -175,19 +178,20 @@ class Runner:
         self.startups.failed(test_id, launch, world, probe.problems + probe.notes)
         return "", None
 
-    def _launch(self, test_id: str, spec: Spec, nproc: int, plan: GpuPlan, history: bool = False,
+    def _launch(self, test_id: str, spec: Spec, chosen: Launcher, nproc: int, plan: GpuPlan, history: bool = False,
                 simulated: tuple[int, ...] = (), label: str = "") -> SizeRun:
-        """One launch at world size ``nproc``, its ranks' start-up found first (from this session, the
-        cache, or a probe launched now)."""
+        """One launch at world size ``nproc`` by ``chosen``, its ranks' start-up found first (from this
+        session, the cache, or a probe launched now)."""
         startup = ""
         # Host-tracked pytest ranks of a whole world: their start-up is measured once (launching.startups).
-        if plan.error is None and spec.body_mode and self.launches.setup.env(spec, plan, history).get(TRACK_ENV) == "1":
-            startup, failed = self._startup(test_id, spec, nproc, plan, simulated)
+        setup = self.size_launch.setup
+        if plan.error is None and spec.body_mode and setup.env(spec, chosen, plan, history).get(TRACK_ENV) == "1":
+            startup, failed = self._startup(test_id, spec, chosen, nproc, plan, simulated)
             if failed is not None:
                 plan.release()
                 return failed
-        run = self.launches.launch(test_id, spec, nproc, plan, history=history, simulated=simulated, startup=startup,
-                                   label=label)
+        run = self.size_launch.launch(test_id, spec, chosen, nproc, plan, history=history, simulated=simulated,
+                                      startup=startup, label=label)
         run.notes += self.startups.take_notes()
         return run
 
