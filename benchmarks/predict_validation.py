@@ -10,7 +10,7 @@ ranks through the plugin's own TestDriver (the marker's launcher, the plugin's m
 examples' per-rank batch made smaller (EXAMPLE_LOCAL_BATCH, default 512 rows = 32 MiB) so that eight
 inflating ranks fit beside other work in this machine's 24 GiB: at the examples' 2048 rows the torch
 twin would hold ~2.3 GiB per rank at 8. Then rank 0's peak at 8 is predicted by
-pytest_gpumem.measurement.predict from the smaller sizes and compared with the measured one, and the marker's
+pytest_gpumem.results.predict from the smaller sizes and compared with the measured one, and the marker's
 limits (max_ratio, allow_mib) are judged at 8 on the measured and on each predicted figure.
 
 Goals: from 1, 2, 4 the prediction is within 5% of the measured peak at 8, and every verdict at 8
@@ -42,8 +42,8 @@ from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
 from pytest_gpumem.judging.verdict import judge  # noqa: E402
 from pytest_gpumem.launching.driver import TestDriver  # noqa: E402
 from pytest_gpumem.launching.rank_setup import RankSetup  # noqa: E402
-from pytest_gpumem.measurement import predict  # noqa: E402
-from pytest_gpumem.measurement.size import SizeResult  # noqa: E402
+from pytest_gpumem.results import predict  # noqa: E402
+from pytest_gpumem.results.size import SizeResult  # noqa: E402
 
 EXAMPLES = {
     "oneflow": ("examples/test_oneflow_eager_dp.py", ("test_oneflow_eager_dp", "test_oneflow_eager_dp_inflated")),
@@ -141,7 +141,7 @@ def render(doc: dict[str, Any]) -> str:
     target = analysed[0]["target"] if analysed else 8
     smaller = ",".join(map(str, analysed[0]["from_smaller"]["sizes"])) if analysed else "1,2,4"
     two = ",".join(map(str, analysed[0]["from_two"]["sizes"])) if analysed else "1,2"
-    lines = [f"Predicted vs measured rank-0 peak at nproc={target} (CPU), pytest_gpumem.measurement.predict",
+    lines = [f"Predicted vs measured rank-0 peak at nproc={target} (CPU), pytest_gpumem.results.predict",
              f"command: {doc.get('command', '?')}", ""]
     header = ("test", *smaller.split(","), f"{target} measured", f"limit at {target}", f"| from {smaller}: model",
               "fitted on", "predicted", "error",
@@ -184,7 +184,7 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("")
     lines += ["left out: nproc=1 below the trend of the larger sizes and every model over all sizes missing a",
               "held-out size by more than 5% (OneFlow's multi-process runtime exists only when N > 1):",
-              "the larger sizes alone are fitted (pytest_gpumem.measurement.predict.fit). "
+              "the larger sizes alone are fitted (pytest_gpumem.results.predict.fit). "
               "LOO n/a: two sizes, nothing to judge.",
               "", "runs:", *(f"  {n}" for n in notes), "", "environments:"]
     lines += [f"  {k}: {v}" for k, v in sorted(doc.get("environments", {}).items())]

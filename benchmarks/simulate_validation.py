@@ -46,7 +46,7 @@ from jobs import TORCH_SIMULATE  # noqa: E402  (a 4-layer 1024-wide MLP, Adam, 3
 
 from pytest_gpumem.config.spec import Defaults, parse_marker  # noqa: E402
 from pytest_gpumem.judging.verdict import judge  # noqa: E402
-from pytest_gpumem.measurement.size import SizeResult  # noqa: E402
+from pytest_gpumem.results.size import SizeResult  # noqa: E402
 from pytest_gpumem.sampling import Peak  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -27,7 +27,7 @@ from pytest_gpumem.bisect.search import Judge, search, site_lines
 from pytest_gpumem.bisect.workspace import _tail
 from pytest_gpumem.config.spec import Tolerance
 from pytest_gpumem.judging.record import SizeRecord
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling.sites import from_dicts
 
 GPUMEM = Path(sys.executable).with_name("gpumem")  # the console script, as a user runs it

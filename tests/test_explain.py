@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpumem.judging.explain import imbalance, peak_times, provenance_diff, timeline_lines
-from pytest_gpumem.measurement.provenance import config_provenance
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.results.provenance import config_provenance
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 

@@ -25,8 +25,8 @@ from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.judging.verdict import Check
-from pytest_gpumem.measurement.size import FloorResult, SizeResult
 from pytest_gpumem.presentation import outputs, plots
+from pytest_gpumem.results.size import FloorResult, SizeResult
 from pytest_gpumem.sampling import Peak
 from pytest_gpumem.sampling.sites import Site
 
@@ -515,8 +515,8 @@ def test_a_failure_just_over_its_baseline_reads_apart_in_the_table_and_the_markd
     from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
     from pytest_gpumem.judging.assemble import build
     from pytest_gpumem.judging.verdict import BaselineRef, judge
-    from pytest_gpumem.measurement.size import SizeResult
     from pytest_gpumem.presentation.report import table
+    from pytest_gpumem.results.size import SizeResult
     from pytest_gpumem.sampling import Peak
 
     class Run:

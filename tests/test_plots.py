@@ -13,8 +13,8 @@ from pytest_gpumem.config.spec import Defaults, parse_marker
 from pytest_gpumem.judging.record import SizeRecord, TestRecord
 from pytest_gpumem.judging.record_reader import load_report
 from pytest_gpumem.judging.verdict import Check
-from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.presentation import plots
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 
 pytest.importorskip("matplotlib")

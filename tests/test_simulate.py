@@ -15,9 +15,9 @@ from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_setup import NCCL_DEFAULTS, nccl_defaults
 from pytest_gpumem.launching.size_launch import _as_world
 from pytest_gpumem.launching.supervise import LaunchRequest, LaunchResult, simulated_env
-from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.rankside.protocol import RankResult
 from pytest_gpumem.rankside.simulate import SIMULATE_ENV, World, world
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 # |real - simulated| of rank 0's host figure, measured on a loaded 2-core machine: at nproc=2, DDP 0.07

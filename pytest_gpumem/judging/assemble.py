@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ..measurement.size import GatedReading
+from ..results.size import GatedReading
 from .explain import imbalance, peak_times
 from .growth import Growth
 from .record import BaselineChange, Cause, SizeRecord, Status, TestRecord

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from ..launching.launched import TestRun
-from ..measurement.provenance import CONFIG_PREFIX
-from ..measurement.size import SizeResult
 from ..oneflow.conversions import PROVENANCE_PREFIX as EAGER_PREFIX
+from ..results.provenance import CONFIG_PREFIX
+from ..results.size import SizeResult
 from . import audit
 from .baseline import Entry
 from .growth import Growth, sites_size

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 from ..config.settings import Settings
 from ..config.spec import Spec, Tolerance
 from ..launching.launched import TestRun
-from ..measurement.provenance import CONFIG_PREFIX, config_provenance
-from ..measurement.size import ALLOCATED
+from ..results.provenance import CONFIG_PREFIX, config_provenance
+from ..results.size import ALLOCATED
 from ..sampling.allocations import is_allocation_method
 from ..sampling.identity import FAKE_KEY, SIMULATED_KEY, host_provenance
 from . import audit

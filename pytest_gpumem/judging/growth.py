@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from ..measurement.size import SizeResult
+from ..results.size import SizeResult
 from ..sampling.sites import NATIVE, Site, from_dicts
 from .baseline import Entry
 from .record import SiteChange

@@ -19,7 +19,7 @@ from operator import attrgetter
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from ..config.spec import Spec
-from ..measurement.size import PER_RANK, FloorResult, SizeResult
+from ..results.size import PER_RANK, FloorResult, SizeResult
 from .verdict import DIGITS, Check, digits_to_tell
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
@@ -225,7 +225,7 @@ class Field:
 
 
 def _per_rank_placed(fields: tuple[Field, ...]) -> tuple[Field, ...]:
-    """``fields`` with each per-rank field of a size (``measurement.size.PER_RANK``) after the key it
+    """``fields`` with each per-rank field of a size (``results.size.PER_RANK``) after the key it
     follows: the one it names, else the per-rank field above it."""
     after: defaultdict[str, list[Field]] = defaultdict(list)
     anchor = ""
@@ -235,7 +235,7 @@ def _per_rank_placed(fields: tuple[Field, ...]) -> tuple[Field, ...]:
     return tuple(placed for f in fields for placed in (f, *after[f.json]))
 
 
-# A kind is a per-rank one (measurement.size.Kind) or one of these: "string", "number", "flag", ...
+# A kind is a per-rank one (results.size.Kind) or one of these: "string", "number", "flag", ...
 LIMIT_FIELDS = tuple(Field(key, key, kind) for key, kind in (
     ("max_mib", "number"), ("max_ratio", "ratio"), ("allow_mib", "number"), ("rank", "rank"),
     ("tolerance", "tolerance"), ("allocated_tolerance", "tolerance"), ("reference", "reference")))
@@ -291,7 +291,7 @@ _WRITE: dict[str, Callable[[Any], Any]] = {
     "baseline changes": lambda v: [[c.nproc, c.old_mib, c.new_mib] for c in v],
     "grown sites": lambda v: [_site_change(c) for c in v],
     "prediction": lambda v: None if v is None else v.as_dict(),
-    # the per-rank kinds (measurement.size.Kind)
+    # the per-rank kinds (results.size.Kind)
     "peak": lambda v: _keyed(v, lambda p: p.mib), "mib": lambda v: _keyed(v, lambda mib: round(mib, 1)),
     "text": _keyed, "sites": lambda v: _keyed(v, lambda sites: [site.as_dict() for site in sites]),
     "allocated": lambda v: _keyed(v, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (

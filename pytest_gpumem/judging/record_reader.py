@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 from ..config.spec import Defaults, Spec, SpecError, Tolerance, parse_marker, parse_tolerance
-from ..measurement.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
-from ..measurement.size import FloorResult, SizeResult
+from ..results.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
+from ..results.size import FloorResult, SizeResult
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.sites import Site, from_dicts
 from .record import (
@@ -296,7 +296,7 @@ _READ: dict[str, Callable[[_Reader, Any, str], Any]] = {
     "duration": lambda r, v, w: r.number(v, w) or 0.0, "prediction": _Reader.prediction,
     "ranks": lambda r, v, w: tuple(r.valid(v is None or (isinstance(v, list) and all(_is_int(x, 0) for x in v)),
                                            v, w, "a list of rank numbers", None) or ()),
-    # the per-rank kinds (measurement.size.Kind)
+    # the per-rank kinds (results.size.Kind)
     "peak": lambda r, v, w: r.by_rank(v, w, lambda x, at: None if x is None else r.mib(x, at)),
     "mib": lambda r, v, w: r.by_rank(v, w, r.mib), "text": lambda r, v, w: r.by_rank(v, w, r.string),
     "allocated": lambda r, v, w: r.by_rank(v, w, r.allocated), "sites": lambda r, v, w: r.by_rank(v, w, r.sites),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from ..config.spec import Spec, Tolerance
-from ..measurement.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
+from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config.env_names import TRACK_ENV
 from ..config.spec import Spec
-from ..measurement.size import SizeResult, gated_reading
+from ..results.size import SizeResult, gated_reading
 from .floor_cache import FloorCache
 from .floors import Floors
 from .gpus import GpuPlan, GpuPlanner

@@ -7,8 +7,8 @@ from dataclasses import replace
 from typing import Callable
 
 from ..config.spec import Spec
-from ..measurement.size import FloorResult
 from ..rankside.floor_job import FRAMEWORKS
+from ..results.size import FloorResult
 from .floor_cache import FloorCache, cache_key
 from .launched import SizeRun, TestRun
 

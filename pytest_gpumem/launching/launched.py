@@ -7,9 +7,9 @@ from functools import cached_property
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..measurement.size import GatedReading, SizeResult, gated_reading
 from ..oneflow.conversions import Conversion
 from ..rankside import protocol
+from ..results.size import GatedReading, SizeResult, gated_reading
 from .supervise import LaunchResult
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Mapping
 
-from ..measurement.size import LINES, PER_RANK, PerRank
+from ..results.size import LINES, PER_RANK, PerRank
 from .launched import SizeRun
 
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..measurement.provenance import config_provenance
-from ..measurement.size import SizeResult
 from ..oneflow import conversions
 from ..oneflow.boxing import read_records
 from ..rankside import protocol
+from ..results.provenance import config_provenance
+from ..results.size import SizeResult
 from ..sampling import AllocatedPeak, Peak
 from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler

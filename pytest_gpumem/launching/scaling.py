@@ -5,7 +5,7 @@ when the ranks would use GPUs, else what this host's memory can hold at all (hos
 ranks of ``nproc=1000`` on a 24 GiB machine would each need the ~30 MiB an interpreter with pytest
 and the plugin holds before the test starts, so they are not started). A size above the cap
 runs as a simulated world (``simulate``, :mod:`pytest_gpumem.rankside.simulate`; torch), else is
-predicted from the launched sizes (:mod:`pytest_gpumem.measurement.predict`) when at least two fit,
+predicted from the launched sizes (:mod:`pytest_gpumem.results.predict`) when at least two fit,
 else is shown as not launched. The sizes that fit are always launched and gated. Used by the
 plugin and by ``gpumem measure`` alike.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..config.spec import Spec
-from ..measurement.predict import PredictError, predict
-from ..measurement.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
+from ..results.predict import PredictError, predict
+from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 from .driver import TestDriver, TestRun
 from .launched import SizeRun
 from .rank_groups import merged, rank_groups

@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping
 
 from ..config.env_names import STARTUP_ENV
 from ..config.spec import Spec
-from ..measurement.size import LINES, PER_RANK, SizeResult
 from ..rankside import protocol
+from ..results.size import LINES, PER_RANK, SizeResult
 from ..sampling import Sampler
 from ..sampling.host import HostSampler
 from ..sampling.identity import simulated_key

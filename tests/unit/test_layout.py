@@ -2,9 +2,10 @@
 pytest glue imports pytest (ruff's banned-import rule covers the latter for the package).
 
     config        what the user asks for (marker, settings, ini)
-    sampling      measurement: memray in the rank, RSS and NVML from the parent, host identity
+    sampling      the samplers: memray in the rank, RSS and NVML from the parent, host identity
     oneflow       OneFlow-only code (boxing audit, rendezvous)
     rankside      what runs inside a rank, and the files it exchanges with its parent
+    results       what a size measured (SizeResult, its gated reading), or what was predicted of it
     launching     the parent side of a launch, which hands its measurements to judging's types
     judging       one test's run -> its outcome (the gate): verdicts, baselines, the typed record
     presentation  renderers of the record
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpumem"
-LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "measurement", "launching", "judging", "presentation"]
+LAYERS = ["storage", "config", "sampling", "oneflow", "rankside", "results", "launching", "judging", "presentation"]
 TOP = {"plugin", "hookspecs", "session", "cli", "measure", "bisect", "calibrate"}
 COMMAND_PACKAGES = {"bisect"}  # top-level commands that are packages: they may use every layer
 # Imports that reach up a layer on purpose, each with its reason.
@@ -244,7 +245,7 @@ _READERS = {"launching/launched.py:readings", "judging/verdict.py:judge", "launc
 
 
 def test_which_rank_is_gated_is_decided_in_one_place():
-    """Which rank of a size is gated, its label and its figures: ``measurement.size.gated_reading``
+    """Which rank of a size is gated, its label and its figures: ``results.size.gated_reading``
     decides, and the reading is handed on (issue 56: 30 call sites recomputed it from the result and
     the marker's rank, in five modules); ``SizeResult`` itself takes no rank."""
     found = []
@@ -255,7 +256,7 @@ def test_which_rank_is_gated_is_decided_in_one_place():
                 found += [f"{where}:{fn.name} line {node.lineno}" for node in ast.walk(fn)
                           if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "gated_reading"]
     assert found == [], "hand the size's GatedReading down instead: " + "; ".join(found)
-    size = next(node for node in ast.parse((PACKAGE / "measurement" / "size.py").read_text()).body
+    size = next(node for node in ast.parse((PACKAGE / "results" / "size.py").read_text()).body
                 if isinstance(node, ast.ClassDef) and node.name == "SizeResult")
     assert [fn.name for fn in size.body if isinstance(fn, ast.FunctionDef)
             and "rank" in [a.arg for a in fn.args.args]] == []

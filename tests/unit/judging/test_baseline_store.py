@@ -620,7 +620,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
     from pytest_gpumem.judging.gate import Gate
     from pytest_gpumem.launching.launched import SizeRun, TestRun
     from pytest_gpumem.launching.supervise import LaunchResult
-    from pytest_gpumem.measurement.size import SizeResult
+    from pytest_gpumem.results.size import SizeResult
     from pytest_gpumem.sampling import AllocatedPeak, Peak
 
     store = BaselineStore(tmp_path)

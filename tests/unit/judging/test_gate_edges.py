@@ -21,8 +21,8 @@ from pytest_gpumem.config.spec import DEFAULT_TOLERANCE, Defaults, Tolerance, pa
 from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.record import SizeRecord, TestRecord, report_document
 from pytest_gpumem.judging.verdict import BaselineRef, against_reference, judge
-from pytest_gpumem.measurement.predict import predict
-from pytest_gpumem.measurement.size import FloorResult, SizeResult, gated_reading
+from pytest_gpumem.results.predict import predict
+from pytest_gpumem.results.size import FloorResult, SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 
 JUST = 0.01  # MiB

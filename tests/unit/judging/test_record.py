@@ -21,8 +21,8 @@ from pytest_gpumem.judging.record import (
 )
 from pytest_gpumem.judging.record_reader import load_report, parse_report
 from pytest_gpumem.judging.verdict import Check
-from pytest_gpumem.measurement.predict import FLAT, LINEAR, Candidate, Fit, Prediction
-from pytest_gpumem.measurement.size import PER_RANK, FloorResult, SizeResult
+from pytest_gpumem.results.predict import FLAT, LINEAR, Candidate, Fit, Prediction
+from pytest_gpumem.results.size import PER_RANK, FloorResult, SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 from pytest_gpumem.sampling.sites import Site
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pytest_gpumem.config.spec import Defaults, Ratio, parse_marker
 from pytest_gpumem.judging.record import BaselineChange, SizeRecord, TestRecord
 from pytest_gpumem.judging.suggest import suggested_ratio
-from pytest_gpumem.measurement.size import SizeResult
 from pytest_gpumem.presentation.report import summary
+from pytest_gpumem.results.size import SizeResult
 
 
 def record(ratios: dict[int, float | None], nproc: tuple[int, ...] = (2, 8)) -> TestRecord:

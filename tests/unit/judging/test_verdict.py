@@ -4,7 +4,7 @@ import pytest
 
 from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
 from pytest_gpumem.judging.verdict import BaselineRef, judge
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 
@@ -156,7 +156,7 @@ def test_a_gpu_baseline_is_judged_on_both_figures_each_at_its_tolerance():
 
 
 def test_a_prediction_that_could_not_be_validated_shows_but_never_fails():
-    from pytest_gpumem.measurement.predict import predict
+    from pytest_gpumem.results.predict import predict
 
     s = spec(nproc=[1, 2, 8], max_mib=4250)
     two = predict([(1, 3190.0), (2, 3476.0)], 8)  # a line through two points: no LOO error

@@ -4,7 +4,7 @@ comm hook out. What the verdict says about each is all a reviewer has to tell it
 
 from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
 from pytest_gpumem.judging.verdict import UNCOUNTED, BaselineRef, judge, simulated_ranks
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 
 SAMPLED = "per-pid sampled"
@@ -114,7 +114,7 @@ def test_every_fake_size_is_named_and_more_failures_are_counted_in_the_plural():
 
 
 def test_a_prediction_that_could_not_be_validated_is_shown_as_would_exceed_never_failing():
-    from pytest_gpumem.measurement.predict import MODELS, Fit, Prediction
+    from pytest_gpumem.results.predict import MODELS, Fit, Prediction
 
     fit = Fit(MODELS[1], (90.0, 10.0), ((1, 100.0), (2, 110.0)), None)  # two points: no leave-one-out error
     predicted = SizeResult(8, "gpu", {}, prediction=Prediction(8, 170.0, fit))

@@ -3,7 +3,7 @@
 from pytest_gpumem.launching.launched import SizeRun
 from pytest_gpumem.launching.rank_groups import merged, rank_groups
 from pytest_gpumem.launching.supervise import LaunchResult
-from pytest_gpumem.measurement.size import SizeResult, gated_reading
+from pytest_gpumem.results.size import SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
 
 

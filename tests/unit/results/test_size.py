@@ -1,7 +1,7 @@
 """Which figure a limit reads off one size: the rank it gates, the figure it falls back to."""
 
-from pytest_gpumem.measurement.predict import MODELS, Fit, Prediction
-from pytest_gpumem.measurement.size import ALLOCATED, DEVICE, HOST, FloorResult, SizeResult, gated_reading
+from pytest_gpumem.results.predict import MODELS, Fit, Prediction
+from pytest_gpumem.results.size import ALLOCATED, DEVICE, HOST, FloorResult, SizeResult, gated_reading
 from pytest_gpumem.sampling import AllocatedPeak, Peak
 
 

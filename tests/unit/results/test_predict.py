@@ -13,7 +13,7 @@ from pytest_gpumem.judging import report_diff
 from pytest_gpumem.judging.assemble import build
 from pytest_gpumem.judging.verdict import judge
 from pytest_gpumem.launching.scaling import Capacity, plan
-from pytest_gpumem.measurement.predict import (
+from pytest_gpumem.results.predict import (
     FLAT,
     LINEAR,
     SHARDED,
@@ -24,7 +24,7 @@ from pytest_gpumem.measurement.predict import (
     loo_error,
     predict,
 )
-from pytest_gpumem.measurement.size import SizeResult
+from pytest_gpumem.results.size import SizeResult
 from pytest_gpumem.sampling import Peak
 
 SIZES = (1, 2, 4, 8)
