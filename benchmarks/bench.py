@@ -111,7 +111,7 @@ if _IN_PLUGIN_RANK:
 BENCHTRACE_PARENT = '''
 import pytest
 from benchtrace import mark
-from pytest_gpumem.launching import supervise as _launch, driver as _driver
+from pytest_gpumem.launching import size_launch as _size_launch, supervise as _launch
 
 
 def _wrap(cls, name, before=None, after=None):
@@ -146,7 +146,8 @@ def _files(self, spec, nproc, workdir, *rest):
                 pass
 
 
-_wrap(_driver.TestDriver, "_read", before=_files)
+# a module's function: the wrapper's "self" is its first argument, the spec
+_wrap(_size_launch, "read_size_run", before=lambda spec, nproc, workdir, *rest: _files(None, spec, nproc, workdir))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -155,15 +155,16 @@ def _files(self, spec, nproc, workdir, *rest):
 
 
 def _instrument():
-    from pytest_gpumem.launching import driver, supervise  # imported by the first gpumem test anyway
+    from pytest_gpumem.launching import floors, size_launch, supervise  # imported by the first gpumem test anyway
 
     _wrap(supervise.Launch, "run", before=lambda self: mark("launch_start"), after=lambda self: mark("launch_end"))
     for start in ("_spawn", "_fork"):  # an exec'd rank, or a forked one
         _wrap(supervise.Launch, start, after=lambda self, *a: mark("spawned"))
     _wrap(supervise.Launch, "_supervise", after=lambda self, *a: mark("exit_seen"))
-    _wrap(driver.TestDriver, "_add_floors", before=lambda self, *a: mark("floor_start"),
+    _wrap(floors.Floors, "with_floors", before=lambda self, *a: mark("floor_start"),
           after=lambda self, *a: mark("floor_end"))
-    _wrap(driver.TestDriver, "_read", before=_files)
+    # a module's function: the wrapper's "self" is its first argument, the spec
+    _wrap(size_launch, "read_size_run", before=lambda spec, nproc, workdir, *rest: _files(None, spec, nproc, workdir))
 
 
 def pytest_addoption(parser):
