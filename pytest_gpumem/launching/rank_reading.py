@@ -110,7 +110,6 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
         supplied=tuple(dict.fromkeys(line for report in reports.values()
                                      for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
-        pids={rank: str(report.pid) for rank, report in reports.items()},
     )
     outcomes = rank_outcomes(spec, nproc, launch, exited, reading.context.launcher)
     graphs = read_records(protocol.rank_file(workdir, 0, "boxing"))

@@ -78,7 +78,6 @@ class SizeResult:
     # A fake GPU: what it supplied that fake tensors lack (values read, sizes assumed, compiled code run
     # eagerly), each with the job's line (rankside.fakegpu.values): what the figure assumed.
     supplied: tuple[str, ...] = ()
-    pids: Mapping[int, str] = field(default_factory=dict)  # probe: each rank's process id
 
     @property
     def predicted(self) -> bool:
@@ -200,5 +199,4 @@ PER_RANK = (
     PerRank("sites", "sites", "sites", after="allocated_baseline_mib"),
     PerRank("sites_notes", "sites_notes", "lines"),
     PerRank("live_timeline", "live_timeline", "curve"),
-    PerRank("pids", "pids", "text"),
 )
