@@ -12,10 +12,33 @@ import re
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Callable, Mapping
 
-# Built in; a plugin may add more (launching.launchers). Also pyproject's entry points, which
-# test_launchers holds to these; the help texts read this order, not the metadata's (alphabetical).
-LAUNCHERS = ("direct", "oneflow", "torchrun", "srun")
 LAUNCHER_ENTRY_POINTS = "pytest_gpumem.launchers"  # an installed package's launchers: a Launcher class or object each
+
+
+def launcher_entry_points() -> list[Any]:
+    """The launchers' entry points (``importlib.metadata.EntryPoint``): the installed packages'; for a
+    checkout run from the path without being installed (the GPU machine's ``PYTHONPATH=$PWD`` run, no
+    metadata) the package's own as its pyproject.toml declares them, the one declaration."""
+    import importlib.metadata
+    from pathlib import Path
+
+    points = list(importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS))
+    if any(point.module.split(".")[0] == "pytest_gpumem" for point in points):
+        return points
+    try:
+        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    except OSError:
+        return points
+    table = re.search(rf'^\[project\.entry-points\."{re.escape(LAUNCHER_ENTRY_POINTS)}"\]\n((?:[^\[\n].*\n|\n)*)',
+                      text, re.M)
+    return points + [importlib.metadata.EntryPoint(name, value, LAUNCHER_ENTRY_POINTS)
+                     for name, value in re.findall(r'^(\w+) = "([\w.]+:\w+)"', table.group(1) if table else "", re.M)]
+
+
+# The package's own, sorted (as the installed metadata lists them), from their one declaration:
+# pyproject.toml's entry points. A plugin may add more (launching.launchers).
+LAUNCHERS = tuple(sorted(point.name for point in launcher_entry_points()
+                         if point.module.split(".")[0] == "pytest_gpumem"))
 DEVICES = ("auto", "gpu", "cpu")
 # How a world size is run (rankside.simulate): for real (every rank launched), simulated (the gated
 # rank, or every rank for rank="all", alone with a stand-in communicator), or auto: for real where
@@ -138,25 +161,6 @@ _TOL_MAX = re.compile(r"^\s*max\s*\((.*)\)\s*$")
 TOLERANCE_ACCEPTED = ('"auto" or a string like "5%", "256MiB" or "max(5%, 256MiB)" (the larger of the two)')
 
 
-
-def launcher_entry_points() -> list[Any]:
-    """The launchers' entry points (``importlib.metadata.EntryPoint``): the installed packages'; for a
-    checkout run from the path without being installed (the GPU machine's ``PYTHONPATH=$PWD`` run, no
-    metadata) the package's own as its pyproject.toml declares them, the one declaration."""
-    import importlib.metadata
-    from pathlib import Path
-
-    points = list(importlib.metadata.entry_points(group=LAUNCHER_ENTRY_POINTS))
-    if any(point.module.split(".")[0] == "pytest_gpumem" for point in points):
-        return points
-    try:
-        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    except OSError:
-        return points
-    table = re.search(rf'^\[project\.entry-points\."{re.escape(LAUNCHER_ENTRY_POINTS)}"\]\n((?:[^\[\n].*\n|\n)*)',
-                      text, re.M)
-    return points + [importlib.metadata.EntryPoint(name, value, LAUNCHER_ENTRY_POINTS)
-                     for name, value in re.findall(r'^(\w+) = "([\w.]+:\w+)"', table.group(1) if table else "", re.M)]
 
 def parse_tolerance(value: Any, what: str = "tolerance") -> Tolerance:
     """Parse ``"auto"``, ``"5%"``, ``"256MiB"``, ``"1GiB"`` or ``"max(5%, 256MiB)"``."""

@@ -35,7 +35,7 @@ def test_precedence_cli_over_env_over_ini():
          "Invalid gpumem_max_ratio '-2' from the GPUMEM_MAX_RATIO environment variable"),
         ({"cli": {"launcher": "two words"}},
          "Invalid gpumem_launcher 'two words' from the command line (--gpumem-launcher): "
-         "expected one of direct, oneflow, torchrun, srun, or one a plugin adds"),
+         "expected one of direct, oneflow, srun, torchrun, or one a plugin adds"),
         ({"ini": {"tolerance": "12 parsecs"}}, "Invalid gpumem_tolerance '12 parsecs' from the ini file"),
         ({"ini": {"missing_baseline": "maybe"}}, "expected one of auto, warn, fail, ignore"),
         ({"ini": {"allow_mib": "nan"}}, "Invalid gpumem_allow_mib 'nan'"),

@@ -97,7 +97,7 @@ def test_a_bad_cap_per_size_names_what_is_accepted(kwargs, fragment):
         ({"rank": "first"}, "rank='first' is not accepted: expected an int >= 0 or 'all'"),
         ({"nproc": 2, "rank": 2}, "rank must be below it"),
         ({"device": "tpu"}, "device='tpu' is not accepted: expected one of auto, gpu, cpu"),
-        ({"launcher": "mpirun"}, "launcher='mpirun' is not accepted: expected one of direct, oneflow, torchrun"),
+        ({"launcher": "mpirun"}, "launcher='mpirun' is not accepted: expected one of direct, oneflow, srun, torchrun"),
         ({"timeout": 0}, "timeout=0"),
         ({"tolerance": "5"}, "tolerance='5' is not accepted"),
         ({"tolerance": "-3%"}, "tolerance='-3%'"),

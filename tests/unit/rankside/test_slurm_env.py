@@ -77,7 +77,7 @@ def test_nnodes_never_exceeds_nproc():
     ({"nnodes": 0, "launcher": "srun"}, "nnodes=0 is not accepted: expected an int from 1"),
     ({"nnodes": "two", "launcher": "srun"}, "nnodes='two' is not accepted"),
     ({"nnodes": 2}, "nnodes=2 is not accepted with launcher='direct': nodes are for launcher='srun'"),
-    ({"launcher": "mpirun"}, "expected one of direct, oneflow, torchrun, srun"),
+    ({"launcher": "mpirun"}, "expected one of direct, oneflow, srun, torchrun"),
 ])
 def test_bad_srun_marker_arguments(kwargs, message):
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
