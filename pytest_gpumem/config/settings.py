@@ -32,6 +32,9 @@ from .spec import (
     parse_tolerance,
 )
 
+# gpumem_fail_fast_grace's default: the other ranks' time to report their own failure once one failed
+DEFAULT_FAIL_FAST_GRACE_S = 2.0
+
 
 class SettingsError(ValueError):
     """A setting that cannot be used; the message names its source and what is accepted."""
@@ -160,7 +163,7 @@ OPTIONS: tuple[Option, ...] = (
            "default launcher for gpumem tests (direct spawns the ranks itself: no launcher start-up cost)"),
     Option("timeout", _positive_float, "600", "a number of seconds > 0",
            "default seconds for a whole launch before every rank is killed"),
-    Option("fail_fast_grace", _non_negative_float, "2", "a number of seconds >= 0",
+    Option("fail_fast_grace", _non_negative_float, f"{DEFAULT_FAIL_FAST_GRACE_S:g}", "a number of seconds >= 0",
            "seconds the other ranks get to end or report their own failure once a rank's test failed "
            "(reported before its fixtures' teardown) or a rank died; then the launch is ended"),
     Option("max_ratio", _ratio, "none", "a number > 0, or none",
@@ -326,7 +329,7 @@ class Settings:
     start: str = "auto"
     simulate: str = "auto"
     unlaunched: str = "auto"
-    fail_fast_grace: float = 2.0
+    fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S
     fake_gpu: str = "auto"
     fake_gpu_model: str = "NVIDIA H200"
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config.env_names import TRACK_ENV
+from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..config.spec import Spec
 from ..results.size import SizeResult, gated_reading
 from .floor_cache import FloorCache
@@ -21,7 +22,7 @@ from .launchers import Launcher, LauncherOptions
 from .rank_setup import RankSetup
 from .size_launch import GpuSetup, SizeLaunch
 from .startups import Startups
-from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
+from .supervise import LaunchResult
 from .watch import Watch
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..rankside.protocol import RankResult
 from .launchers import Launcher
-from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchResult
+from .supervise import LaunchResult
 
 _LAUNCHER_LOG_LINES = 40
 _NOT_IMPORTABLE = "No module named 'pytest_gpumem"

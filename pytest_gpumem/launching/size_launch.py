@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..config.env_names import STARTUP_ENV
+from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..config.spec import Spec
 from ..rankside import protocol
 from ..results.size import LINES, PER_RANK, SizeResult
@@ -24,7 +25,7 @@ from .launched import SizeRun
 from .launchers import Launcher, LauncherOptions, launcher
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
-from .supervise import DEFAULT_FAIL_FAST_GRACE_S, LaunchRequest, LaunchResult
+from .supervise import LaunchRequest, LaunchResult
 from .watch import Follower, Watch, what
 from .workdirs import make_workdir, sweep_orphans
 

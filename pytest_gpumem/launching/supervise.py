@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..config.env_names import LAUNCH_ID_ENV, SLOT_ENV, WORKDIR_ENV
+from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..rankside import protocol
 from ..rankside.rank import STARTUP_CWD
 from ..rankside.simulate import SIMULATE_ENV
@@ -38,7 +39,6 @@ from .signal_guard import FatalSignal, SignalGuard
 _CONTRACT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID", SIMULATE_ENV, SLOT_ENV)
 _TICK_S = 0.02
-DEFAULT_FAIL_FAST_GRACE_S = 2.0  # gpumem_fail_fast_grace: the other ranks' time to report their own failure
 STACK_DUMP_WAIT_S = 1.0
 # How torch's TCPStore ("EADDRINUSE, message: address already in use") and OneFlow's control
 # server ("Address already in use") say that the rendezvous port was taken.
