@@ -290,7 +290,8 @@ _OPTIONS_SPARED_FROM_ZERO = {"interval_ms"}
 
 @dataclass(frozen=True)
 class Settings:
-    """The resolved session settings."""
+    """The resolved session settings, one field per option of :data:`OPTIONS` (its default is declared
+    there, once) and the two switches pytest's own flags give (``enabled``, ``refresh``)."""
 
     enabled: bool
     refresh: bool
@@ -318,20 +319,20 @@ class Settings:
     report: Path | None
     fast_exit: bool
     boxing: bool
-    sites: str = "auto"
-    python_allocations: str = "objects"
-    host_startup: str = "cached"
-    slurm_dir: Path | None = None
-    srun_args: tuple[str, ...] = ()
-    nnodes: int = 0
-    max_nproc: int | None = None
-    predict: bool = True
-    start: str = "auto"
-    simulate: str = "auto"
-    unlaunched: str = "auto"
-    fail_fast_grace: float = DEFAULT_FAIL_FAST_GRACE_S
-    fake_gpu: str = "auto"
-    fake_gpu_model: str = "NVIDIA H200"
+    sites: str
+    python_allocations: str
+    host_startup: str
+    slurm_dir: Path | None
+    srun_args: tuple[str, ...]
+    nnodes: int
+    max_nproc: int | None
+    predict: bool
+    start: str
+    simulate: str
+    unlaunched: str
+    fail_fast_grace: float
+    fake_gpu: str
+    fake_gpu_model: str
 
     def defaults(self, launchers: tuple[str, ...] = LAUNCHERS) -> Defaults:
         """What a marker leaves out: the settings of the same names; ``launchers``: those registered."""
