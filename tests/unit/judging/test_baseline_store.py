@@ -634,7 +634,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
                             allocated={0: AllocatedPeak(real, real + 100, "torch")})
         test.runs.append(SizeRun(result=result, launch=LaunchResult(n, []), outcomes={}))
     gate = Gate(resolve({}, {}, {}, rootdir=tmp_path, enabled=True, refresh=False), store)
-    assert gate._fake_gpu_difference(test) == [
+    assert gate.stored.fake_gpu_difference(test) == [
         "fake GPU vs this GPU: the gpu:NVIDIA H200 (fake) baseline's allocator figure vs this run's, "
         "nproc=1 11046.80 vs 11046.75 MiB (+0.05, +0.00%); nproc=8 7204.70 vs 7228.61 MiB (-23.91, -0.33%)"]
 
@@ -642,7 +642,7 @@ def test_a_real_gpu_run_says_how_far_the_fake_gpu_baseline_of_its_model_was_size
         result=SizeResult(1, "gpu", {0: Peak(11046.76, "fake")}, platform="gpu:NVIDIA H200 (fake)",
                           allocated={0: AllocatedPeak(11046.76, None, "torch")}, fake_gpu="NVIDIA H200"),
         launch=LaunchResult(1, []), outcomes={})])
-    assert gate._fake_gpu_difference(fake_run) == []  # a fake run is the fake figure: nothing to say
+    assert gate.stored.fake_gpu_difference(fake_run) == []  # a fake run is the fake figure: nothing to say
 
 
 def test_rank_all_keeps_every_ranks_allocator_figure_and_the_other_ranks_sites(store: BaselineStore) -> None:

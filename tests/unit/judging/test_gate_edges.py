@@ -398,7 +398,7 @@ def test_auto_is_exact_for_live_allocations_on_the_baselines_cpu_model_and_movin
         result = SizeResult(1, device, {0: Peak(300.0, method)})
         test.runs.append(SizeRun(result=result, launch=LaunchResult(1, []), outcomes={}))
         entry = Entry(300.0, {0: 300.0}, 0, device, method, {"cpu_model": stored_cpu})
-        found, note = gate._tolerance(test, 1, entry)
+        found, note = gate.stored.tolerance(test, 1, entry)
         return str(found), [note] if note else []
 
     live = "live allocations (memray)"
