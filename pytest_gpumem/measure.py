@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from .config import inifile
 from .config.settings import OPTIONS, SettingsError, option, resolve
-from .config.spec import DEVICES, LAUNCHERS, SpecError, parse_marker
+from .config.spec import SpecError, parse_marker
 from .session import preflight
 
 USAGE = "gpumem measure --nproc 1,2,4 [options] -- SCRIPT.py [ARGS ...] | -m MODULE [ARGS ...]"
@@ -62,6 +62,13 @@ def _rank(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not accepted: expected an int >= 0 or all") from None
 
 
+def _setting_argument(parser: argparse.ArgumentParser, name: str, lead: str) -> None:
+    """``--NAME``, one of the plugin's settings: checked, accepted and defaulted as its option declares."""
+    opt = option(name)
+    parser.add_argument("--" + name.replace("_", "-"), type=_validated(name),
+                        help=f"{lead}: {opt.accepted} (default: ${opt.env} or {opt.default_text})")
+
+
 def measure_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpumem measure", usage=USAGE,
@@ -70,18 +77,11 @@ def measure_parser() -> argparse.ArgumentParser:
                "or -m MODULE, with its own arguments. The ranks run it with this interpreter.")
     p.add_argument("--nproc", type=_sizes, required=True, help="world sizes, e.g. 1,2,4 (larger than "
                    "--max-nproc: predicted from the launched sizes)")
-    p.add_argument("--launcher", type=_validated("launcher"), help=f"one of {', '.join(LAUNCHERS)} "
-                   f"(default: $GPUMEM_LAUNCHER or direct)")
-    p.add_argument("--device", type=_validated("device"), help=f"memory that is reported: one of "
-                   f"{', '.join(DEVICES)} (default: $GPUMEM_DEVICE or auto)")
-    p.add_argument("--timeout", type=_validated("timeout"), help="seconds for each launch (default: "
-                   "$GPUMEM_TIMEOUT or 600)")
-    p.add_argument("--max-nproc", type=_validated("max_nproc"), help="largest world size launched "
-                   "(default: $GPUMEM_MAX_NPROC, else the GPUs present where the ranks use GPUs)")
-    p.add_argument("--fake-gpu", type=_validated("fake_gpu"), help="with --device gpu: auto (a fake GPU where "
-                   "this machine has none), on or off (default: $GPUMEM_FAKE_GPU or auto)")
-    p.add_argument("--fake-gpu-model", help="the GPU model a fake GPU emulates (default: $GPUMEM_FAKE_GPU_MODEL "
-                   "or NVIDIA H200)")
+    for name, lead in (("launcher", "how the ranks start"), ("device", "memory that is reported"),
+                       ("timeout", "seconds for each launch"), ("max_nproc", "largest world size launched"),
+                       ("fake_gpu", "with --device gpu, a fake GPU"),
+                       ("fake_gpu_model", "the GPU model a fake GPU emulates")):
+        _setting_argument(p, name, lead)
     p.add_argument("--no-predict", action="store_true", help="fail instead of predicting sizes above the cap")
     p.add_argument("--rank", type=_rank, default=0, help="the rank whose peak is the ratio's and the "
                    "prediction's subject: an int or all (default 0)")
