@@ -304,14 +304,17 @@ _READ: dict[str, Callable[[_Reader, Any, str], Any]] = {
 }
 
 
+def _summary(problems: list[str]) -> str:
+    """The first five problems, and how many more: one line a user reads to the end."""
+    return "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+
+
 def read_record(raw: Any, where: str = "record") -> TestRecord:
     """The record of :meth:`TestRecord.to_json`; ReportError names every bad field."""
     reader = _Reader()
     record = reader.record(raw, where)
     if reader.problems:
-        problems = reader.problems
-        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise ReportError("; ".join(problems[:5]) + more)
+        raise ReportError(_summary(reader.problems))
     assert record is not None
     return record
 
@@ -339,7 +342,7 @@ def parse_report(doc: Any) -> list[TestRecord]:
             problems.append(f"tests[{i}].test: {rec.test!r} appears twice")
         seen.add(rec.test)
     if problems:
-        raise ReportError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+        raise ReportError(_summary(problems))
     return records
 
 
