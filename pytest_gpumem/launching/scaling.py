@@ -18,8 +18,8 @@ from typing import Callable
 from ..config.spec import Spec
 from ..results.predict import PredictError, predict
 from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
-from .driver import TestDriver, TestRun
-from .launched import SizeRun
+from .driver import TestDriver
+from .launched import SizeRun, TestRun
 from .rank_groups import merged, rank_groups
 
 # The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
