@@ -241,6 +241,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         "is_tf32_supported": lambda: model.major >= 8,
         "can_device_access_peer": lambda device, peer: True,
         "synchronize": noop, "empty_cache": noop, "ipc_collect": noop,
+        "is_current_stream_capturing": lambda: False,  # SyncBatchNorm asks before it counts the batch
         "Stream": FakeStream, "Event": FakeEvent, "current_stream": current_stream,
         "default_stream": default_stream, "stream": stream, "set_stream": noop,
         "manual_seed": noop, "manual_seed_all": noop, "seed": noop, "seed_all": noop,
@@ -258,8 +259,10 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         "get_per_process_memory_fraction": lambda device=None: fractions.get(_index(device), 1.0),
     }
     torch._C._cuda_resetPeakMemoryStats = allocator.reset_peak  # noqa: SLF001
+    torch._C._cuda_jiterator_compile_and_launch_kernel = _jiterator(torch)  # noqa: SLF001
     for name, value in replacements.items():
         setattr(cuda, name, _own(name, value))  # one function each: torch._dynamo maps them one to one
+    cuda.graphs.is_current_stream_capturing = cuda.is_current_stream_capturing
     memory = cuda.memory
     for name in ("memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
@@ -270,3 +273,19 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     memory._snapshot = lambda device=None, **_: allocator.snapshot()  # noqa: SLF001
     memory._dump_snapshot = dump_snapshot  # noqa: SLF001
     torch.Tensor.record_stream = _own("record_stream", noop)  # a stream that orders nothing holds nothing
+
+
+def _jiterator(torch: ModuleType) -> Any:
+    """``torch.cuda.jiterator``'s kernels are compiled for the device at their first call, which a fake
+    GPU cannot do: each is the elementwise op it declares, so its outputs are the inputs' broadcast
+    shape in their promoted dtype, as TensorIterator makes them, one per declared output."""
+
+    def launch(code: str, name: str, return_by_ref: bool, num_outputs: int, tensors: Any, kwargs: Any) -> Any:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        dtype = tensors[0].dtype
+        for tensor in tensors[1:]:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+        outs = tuple(torch.empty(shape, dtype=dtype, device=tensors[0].device) for _ in range(num_outputs))
+        return outs[0] if num_outputs == 1 else outs
+
+    return launch

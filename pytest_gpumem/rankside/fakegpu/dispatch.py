@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from ..imports import after_import
-from . import cuda_api
+from . import cuda_api, rules
 from .accounting import FakeAllocator
 from .models import GpuModel
 from .scratch import KERNEL_SCRATCH
@@ -106,15 +106,11 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                 out = super().dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as exc:
                 raise FakeGpuError(_data_dependent(func, exc)) from None
-            except NotImplementedError:
-                # No shape rule (meta kernel) for a CUDA-only op, and fake mode's fallback would run it on
-                # the device: one that returns nothing (a fused optimizer's in-place step) has nothing to
-                # count; any other is named.
-                if not func._schema.returns:  # noqa: SLF001
-                    return None
-                raise FakeGpuError(f"a fake GPU has no shape rule for {str(func).replace('aten.', 'aten::', 1)} "
-                                   "(torch registers no meta kernel for it): run this test on a real GPU "
-                                   "(fake_gpu='off'), or report the op to pytest-gpumem") from None
+            except FakeGpuError:
+                raise
+            except (NotImplementedError, RuntimeError) as exc:
+                # No shape rule, or one stricter than the CUDA kernel: the op's CPU kernel answers (rules).
+                out = self._answered_on_the_cpu(func, args, kwargs, exc)
             finally:
                 inner.depth -= 1
             if paused.depth or inner.depth:  # an op inside another (a decomposition): one kernel on the GPU
@@ -136,6 +132,27 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                     allocator.workspace("cublas", index)
                     if packet in lt and len(args) > 0 and getattr(args[0], "dim", lambda: 0)() == 1:
                         allocator.workspace("cublaslt", index)
+            return out
+
+        def _answered_on_the_cpu(self, func: Any, args: Any, kwargs: Any, refused: Exception) -> Any:
+            """A fused optimizer's in-place step returns nothing to count; any other op without a usable
+            rule is answered by its CPU kernel, listed with the job's line, or named."""
+            schema = getattr(func, "_schema", None)  # a higher-order operator has none: not an op to stand in for
+            if schema is None:
+                raise refused
+            if isinstance(refused, NotImplementedError) and not schema.returns:
+                return None
+            name = str(func).replace("aten.", "aten::", 1).removesuffix(".default")
+            try:
+                out = rules.answer_on_the_cpu(torch, self, FakeTensor, func, args, kwargs)
+            except rules.NoAnswer as why:
+                raise FakeGpuError(f"a fake GPU has no shape rule for {name} and cannot answer it: {why}. Run this "
+                                   "test on a real GPU (fake_gpu='off'), or report the op to pytest-gpumem") from None
+            except Exception as job_error:  # noqa: BLE001 - the CPU kernel refuses too: the job's own error, in
+                raise job_error from None        # the kernels' words (the shape rule's may be its stricter one)
+            reason = "no shape rule" if isinstance(refused, NotImplementedError) else "its shape rule refused it"
+            supplied.add(f"rule: {name} answered by its CPU kernel on stand-in data ({reason}: "
+                         f"{str(refused).splitlines()[0][:100] if str(refused) else type(refused).__name__})")
             return out
 
     fake = CountingFakeMode(allow_non_fake_inputs=True)
@@ -162,6 +179,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
             return func(*args, **kwargs)
 
     policy = ValuePolicy(torch, FakeTensor, FakeGpuError, fake_call)
+    supplied = policy.supplied
 
     class FakeGpuMode(TorchDispatchMode):
         """Sends every op that makes or touches a CUDA tensor to the fake mode; CPU ops run real."""
@@ -182,7 +200,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
                     and not func.has_kernel_for_dispatch_key(cpu_key)):
                 # Seen unexpanded under a subclass's dispatch (``to.dtype_layout`` in DTensor's RNG set-up):
                 # expand it here, so its parts come back one by one (fake mode would run it on the CPU).
-                # One with a kernel of its own (``silu_backward``, see _shape_rules) is one kernel on a GPU.
+                # One with a kernel of its own (``silu_backward``, see rules) is one kernel on a GPU.
                 with self:
                     expanded = func.decompose(*args, **kwargs)
                 if expanded is not NotImplemented:
@@ -200,6 +218,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     after_import("torch.nn.parallel.distributed", _mend_ddp)
     after_import("torch.distributed.tensor._random", _mend_dtensor_rng)
     after_import("torch.distributed.fsdp._init_utils", _mend_fsdp1_move)
+    after_import("torch.distributed.fsdp._flat_param", lambda m: _mend_fsdp1_allocated(m, FakeTensor))
     after_import("torch.utils._foreach_utils", lambda m: _foreach_for_fakes(m, FakeTensor))
     after_import("torch.optim.optimizer", lambda m: _foreach_for_fakes(m, FakeTensor))
     # torch.tensor(data, device="cuda") builds its tensor below the dispatcher's Python key, on the
@@ -208,7 +227,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     # lift_fresh, and device movement").
     torch._C._set_only_lift_cpu_tensors(True)
     _keep_ties(torch, FakeTensor)
-    _shape_rules(torch)
+    rules.install_rules(torch)
     _compile_runs_eagerly(torch, policy.supplied)
     _save_from_the_host(torch, FakeTensor)
     after_import("torch.distributed.fsdp._fully_shard._fully_shard", _mend_fsdp2_move)  # the name its caller holds
@@ -360,42 +379,6 @@ def _keep_ties(torch: ModuleType, fake_type: Any) -> None:
     module_type._apply = _apply
 
 
-def _shape_rules(torch: ModuleType) -> None:
-    """Shape rules (meta kernels) torch lacks for CUDA ops a training job runs: the GRU cell that
-    ``nn.GRU`` takes where cuDNN is not used, and its backward.
-
-    And one kernel where the CUDA build has one: an op with a CPU kernel and a decomposition
-    (``silu_backward``, ``mish_backward``), or a fused CUDA-only one (``_fused_rms_norm``), has a CUDA
-    kernel in the CUDA build, but in the CPU
-    build a CUDA tensor takes the decomposition, whose intermediates (three activation-sized tensors
-    for SiLU's backward) a GPU never holds. Registering a CUDA kernel for it sends the op down whole,
-    to the fake mode, which runs it on its shape rule; the kernel itself never runs."""
-    library = torch.library.Library("aten", "IMPL")
-    _kept_libraries.append(library)
-
-    def no_kernel(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("pytest-gpumem's fake GPU: a CUDA op reached no fake tensor")
-
-    has = torch._C._dispatch_has_kernel_for_dispatch_key  # noqa: SLF001
-    for name in torch._C._dispatch_get_all_op_names():  # noqa: SLF001
-        if name.startswith("aten::") and has(name, "CompositeImplicitAutograd") and (
-                has(name, "CPU") or name in CUDA_ONLY_FUSED):
-            library.impl(name.removeprefix("aten::"), no_kernel, "CUDA")
-
-    def gru_cell(input_gates: Any, hidden_gates: Any, hx: Any, input_bias: Any = None, hidden_bias: Any = None) -> Any:
-        return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], hx.shape[1] * 5))
-
-    def gru_cell_backward(grad_hy: Any, workspace: Any, has_bias: bool) -> Any:
-        batch, hidden = grad_hy.shape
-        gates = grad_hy.new_empty((batch, 3 * hidden))
-        bias = grad_hy.new_empty((3 * hidden,)) if has_bias else grad_hy.new_empty((0,))
-        return gates, gates.new_empty(gates.shape), grad_hy.new_empty(grad_hy.shape), bias, bias.new_empty(bias.shape)
-
-    for name, rule in (("_thnn_fused_gru_cell", gru_cell), ("_thnn_fused_gru_cell_backward", gru_cell_backward)):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):  # noqa: SLF001
-            library.impl(name, rule, "Meta")
-
-
 # benchmarks/results/fake_gpu_compile.txt: an 8-block GPT-like stack on one H100 against the fake GPU.
 COMPILED_VS_EAGER = ("the figure is the eager job's; on a GPT-like stack it read 0.43% above the GPU's Inductor "
                      "run, equal to its aot_eager run")
@@ -436,12 +419,6 @@ def _save_from_the_host(torch: ModuleType, fake_type: Any) -> None:
 
     setattr(torch, "save", save)
     setattr(torch.serialization, "save", save)
-
-
-# Fused ops with a CUDA kernel only (none for the CPU, a decomposition elsewhere): RMSNorm on a GPU
-# holds its output and the inverse RMS, not the decomposition's five intermediates.
-CUDA_ONLY_FUSED = ("aten::_fused_rms_norm",)
-_kept_libraries: list[Any] = []  # a Library's registrations last as long as the object
 
 
 def _mend_fsdp2_move(module: ModuleType) -> None:
@@ -535,6 +512,20 @@ def _mend_fsdp1_move(module: ModuleType) -> None:
         return None
 
     setattr(module, "_move_module_to_device", move)
+
+
+def _mend_fsdp1_allocated(module: ModuleType, fake_type: Any) -> None:
+    """FSDP1 asks whether a flat parameter's storage is allocated by its data pointer, and a fake
+    storage's is always 0: at a world above 1 with ``SHARD_GRAD_OP`` and ``use_orig_params`` its
+    pre-unshard check failed. A fake storage is allocated when it has bytes."""
+    original = module._data_ptr_allocated
+
+    def allocated(tensor: Any) -> bool:
+        if isinstance(tensor, fake_type):
+            return bool(tensor.untyped_storage().nbytes() > 0)
+        return bool(original(tensor))
+
+    setattr(module, "_data_ptr_allocated", allocated)
 
 
 def _foreach_for_fakes(module: ModuleType, fake_type: type) -> None:
