@@ -272,7 +272,12 @@ class ValuePolicy:
             real = real.expand(tuple(scores.shape)).contiguous()
             self.supplied.add(f"{func.__name__.split('.')[0]} order (kept as it was)")
         else:
-            real = balanced_indices(torch, tuple(indices.shape), k if what == "topk" else 1, choices, dim)
+            shape = list(indices.shape)
+            reduced = len(shape) < scores.dim()  # max(dim=-1) without keepdim: the routed dim is gone
+            if reduced:
+                shape.insert(dim, 1)
+            real = balanced_indices(torch, tuple(shape), k if what == "topk" else 1, choices, dim)
+            real = real.squeeze(dim) if reduced else real
             self.supplied.add(f"routing: {what} over {choices} balanced (row t picks (t*k+j) mod {choices})")
         if indices.dtype != real.dtype:
             real = real.to(indices.dtype)
