@@ -8,6 +8,11 @@ the GPU figures committed in ``benchmarks/results/fake_gpu_idioms_gpu.json``.
 
     python tests/idioms.py --real --out idioms_gpu.json      # on a GPU (one process, NCCL world of 1)
     python tests/idioms.py --out idioms_fake.json            # here: a fake GPU, a simulated world of 1
+    python tests/idioms.py --world 2 --rank 1 --out r1.json  # rank 1 of a simulated world of 2 (--real too)
+
+A world above 1 is simulated on both sides (``rankside.simulate``: this rank with a stand-in group,
+every collective's sizes kept), so each idiom's paths that exist only there run: SyncBatchNorm's
+statistics gathering, DDP's buckets and their all-reduce, FSDP's sharding, the collectives' splits.
 """
 
 from __future__ import annotations
@@ -711,7 +716,7 @@ def _one(name: str) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         IDIOMS[name]()
         torch.cuda.synchronize()
         figure: dict[str, Any] = {"mib": round(torch.cuda.max_memory_allocated() / MiB, 2),
@@ -738,15 +743,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default=None, help="a gpumem-calibration.json for --model")
     parser.add_argument("--only", default="", help="comma-separated idiom names")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--world", type=int, default=1, help="the world's size (above 1: simulated, --real too)")
+    parser.add_argument("--rank", type=int, default=0, help="this process's rank in --world")
     args = parser.parse_args(argv)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+    if not 0 <= args.rank < args.world:
+        parser.error(f"--rank {args.rank} is not a rank of a world of {args.world} (0 to {args.world - 1})")
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29531"),
                       GPUMEM_SIMULATE_ASSUME="alike")  # expert parallelism's split sizes: what this rank sends
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    if not args.real:
-        from pytest_gpumem.rankside import fakegpu, simulate
+    if not args.real or args.world > 1:
+        from pytest_gpumem.rankside import simulate
 
-        simulate.install_world(simulate.World(0, 1))
+        if args.world > 1:
+            os.environ[simulate.SIMULATE_ENV] = f"{args.rank}/{args.world}"
+        simulate.install_world(simulate.World(args.rank, args.world))
+    if not args.real:
+        from pytest_gpumem.rankside import fakegpu
+
         fakegpu.install(args.model or "NVIDIA H200", args.calibration)
     import torch as _torch
 
@@ -756,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.only.split(",") if n] or list(IDIOMS)
     figures = measure(names)
     doc = {"device": torch.cuda.get_device_name(0), "fake": not args.real, "torch": torch.__version__,
+           "world": args.world, "rank": args.rank,
            "idioms": {name: {k: v for k, v in figure.items() if k != "supplied"} for name, figure in figures.items()}}
     if not args.real:
         doc["supplied"] = [line for figure in figures.values() for line in figure.get("supplied", ())]
