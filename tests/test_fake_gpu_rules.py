@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.torch, pytest.mark.skipif(torch.cuda.is_available(),
                                                    reason="a real GPU here: the fake GPU is for machines without")]
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import op_rules  # noqa: E402 - beside this file
+
 GPU_TABLE = ROOT / "benchmarks" / "results" / "op_rules_gpu.json"
 # Samples whose fake answer is not CUDA's, with why (docs/fake-gpu.md lists them). One that comes right
 # fails the test, so that the list stays true.
@@ -36,7 +39,8 @@ def _compare(tmp_path: Path, stride: int) -> dict[str, Any]:
                            "--out", str(out), "--against", str(GPU_TABLE)], capture_output=True, text=True,
                           timeout=1800, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout[done.stdout.index("{"):])
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith(op_rules.COMPARISON)]
+    return json.loads(line.removeprefix(op_rules.COMPARISON))
 
 
 def _check(found: dict[str, Any]) -> None:
