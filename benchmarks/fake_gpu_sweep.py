@@ -1,0 +1,466 @@
+"""The fake GPU over whole families of models nobody here wrote: every causal-LM and image-classification
+architecture ``transformers`` ships, each built from its config shrunk to a tiny size (no weights) and
+trained two steps as its users train it (AdamW), on one rank, as rank 0 of a world of 2 under DDP, and
+under FSDP2 (``fully_shard`` per block, as ``_no_split_modules`` names them), in fp32 and under bf16
+autocast.
+
+    python benchmarks/fake_gpu_sweep.py --cpu  --out cpu.json    # the denominator: trains on plain CPU torch
+    python benchmarks/fake_gpu_sweep.py        --out fake.json   # on a fake GPU (here)
+    python3 benchmarks/fake_gpu_sweep.py --real --out real.json  # on a GPU machine: rank 0's real figure
+    python benchmarks/fake_gpu_sweep.py --table cpu.json fake.json [real.json]
+    python benchmarks/fake_gpu_sweep.py --merge fake.json rerun.json --out fake.json  # a rerun's rows win
+
+The denominator is what trains on plain CPU torch (world 1, fp32); a model that does not build
+or train there is listed apart with its error. Worlds of 2 are simulated (``rankside.simulate``: rank 0
+with a stand-in group, every collective's sizes kept), on a fake GPU and on a real one alike. Each model
+runs in a process forked from one that imported torch and ``transformers`` once, as a rank would; each
+figure is rank 0's ``torch.cuda.max_memory_allocated()`` after the two steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+MODES = ("single", "ddp", "fsdp2")  # one rank; rank 0 of 2 under DDP; rank 0 of 2 under FSDP2
+DTYPES = ("fp32", "bf16")  # fp32 weights; bf16 autocast over fp32 weights
+FAMILIES = ("causal_lm", "image_classification")
+MODEL_TIMEOUT_S = 120
+ROWS_ENV = "SWEEP_ROWS"  # a file to append each row to, as JSON lines
+LEVELS_ENV = "SWEEP_LEVELS"  # the levels chosen by the denominator's run, as JSON, for the workers
+# A tiny config: set where the architecture's config has the key (its own default otherwise).
+SHRINK: dict[str, Any] = {
+    "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 512, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 512,
+    "n_embd": 256, "n_layer": 2, "n_head": 4, "n_inner": 512, "d_model": 256, "num_layers": 2, "n_layers": 2,
+    "num_heads": 4, "d_ff": 512, "ffn_dim": 512, "d_kv": 64, "n_positions": 512,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "kv_lora_rank": 64, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32, "v_head_dim": 64, "image_size": 64, "num_channels": 3, "num_labels": 10,
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_ffn_dim": 512, "decoder_ffn_dim": 512,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_embed": 256,
+    "depths": "ones",
+}
+SEQ, BATCH = 128, 4
+
+
+# How far a config is shrunk: all sizes; all but the attention heads' (a model that derives its head
+# size from its own head count, or checks it). The
+# denominator's run (--cpu) takes the first level that trains on plain CPU torch, and the other runs
+# read it from there (--levels), so that each side builds the same model.
+LEVELS = ("tiny", "tiny-heads")
+HEAD_KEYS = {"num_attention_heads", "num_key_value_heads", "head_dim", "n_head", "num_heads", "d_kv",
+             "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+             "encoder_attention_heads", "decoder_attention_heads"}
+
+
+def shrunk_config(auto_config: Any, model_type: str, level: str = "tiny") -> Any:
+    """The architecture's default config with its sizes made tiny, passed to its ``__init__`` so that
+    what it derives (layer types, head dims) follows; a composite config's parts (text, vision,
+    encoder, patcher) are shrunk alike."""
+    return auto_config.for_model(model_type, **_shrunk(auto_config.for_model(model_type).to_dict(), level))
+
+
+def _shrunk(keys: dict[str, Any], level: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for key, value in keys.items():
+        if isinstance(value, dict) and "model_type" in value:  # a part of a composite config
+            kwargs[key] = {**value, **_shrunk(value, level)}
+    wanted = {k for k in SHRINK if level == "tiny" or k not in HEAD_KEYS}
+    staged = isinstance(keys.get("hidden_sizes"), list)  # a vision backbone's widths per stage: kept as they are
+    for key, value in SHRINK.items():
+        if key not in wanted or key not in keys or keys[key] is None or (staged and key == "hidden_size"):
+            continue
+        if key == "image_size" and "window_size" in keys:  # windows tile the image at its own size
+            continue
+        if value == "ones":
+            if isinstance(keys[key], list):
+                kwargs[key] = [1] * len(keys[key])
+            continue
+        if isinstance(keys[key], bool) or not isinstance(keys[key], int):
+            continue
+        kwargs[key] = value
+    if isinstance(keys.get("layer_types"), list):  # one layer of each kind, in the order they come
+        kinds = list(dict.fromkeys(keys["layer_types"]))
+        layers = max(kwargs.get("num_hidden_layers", 2), len(kinds))
+        kwargs["layer_types"] = (kinds * layers)[:layers]
+        if "num_hidden_layers" in keys:
+            kwargs["num_hidden_layers"] = layers
+    vocab = kwargs.get("vocab_size")
+    if vocab:  # special tokens inside the smaller vocabulary
+        for key, value in keys.items():
+            if key.endswith("token_id") and isinstance(value, int) and value >= vocab:
+                kwargs[key] = vocab - 1
+    return kwargs
+
+
+def architectures(family: str) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    names = {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "image_classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[family]
+    return sorted(names)
+
+
+def build(family: str, model_type: str, device: str, level: str) -> tuple[Any, Callable[[], Any]]:
+    """The model on ``device`` and a function giving one step's loss."""
+    import torch
+    import transformers
+
+    config = shrunk_config(transformers.AutoConfig, model_type, level)
+    torch.manual_seed(0)
+    if family == "causal_lm":
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        vocab = min(int(getattr(config, "vocab_size", 0) or getattr(getattr(config, "text_config", None),
+                                                                      "vocab_size", 2048) or 2048), 2048)
+        ids = torch.randint(0, vocab, (BATCH, SEQ))
+        return model.to(device), lambda: model(input_ids=ids.to(device), labels=ids.to(device)).loss
+    model = transformers.AutoModelForImageClassification.from_config(config)
+    size = getattr(config, "image_size", 64)
+    size = size if isinstance(size, int) else 64
+    channels = getattr(config, "num_channels", 3) or 3
+    pixels = torch.randn(BATCH, channels, size, size)
+    labels = torch.randint(0, int(getattr(config, "num_labels", 2) or 2), (BATCH,))
+    return model.to(device), lambda: model(pixel_values=pixels.to(device), labels=labels.to(device)).loss
+
+
+def wrap(model: Any, mode: str) -> Any:
+    import torch
+
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[0], find_unused_parameters=True)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        owners: dict[int, int] = {}  # a parameter -> how many modules hold it (tied weights: two)
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                owners[id(param)] = owners.get(id(param), 0) + 1
+        chosen = [module for module in list(model.modules())[1:] if type(module).__name__ in blocks
+                  and not any(owners[id(p)] > 1 for p in module.parameters())]  # a tied weight: the root's
+        for module in reversed(chosen):  # chosen first (sharding replaces the parameters), then inner blocks first
+            fully_shard(module)
+        fully_shard(model)
+        return model
+    del torch
+    return model
+
+
+def train(family: str, model_type: str, mode: str, dtype: str, device: str, level: str) -> dict[str, Any]:
+    """Two AdamW steps; rank 0's allocator peak (on a GPU) or nothing (on the CPU)."""
+    import torch
+
+    started = time.perf_counter()
+    model, loss_of = build(family, model_type, device, level)
+    model.train()
+    wrapped = wrap(model, mode)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    for _ in range(2):
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = loss_of()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    figure: dict[str, Any] = {"s": round(time.perf_counter() - started, 2), "level": level}
+    if device != "cpu":
+        torch.cuda.synchronize()
+        figure["mib"] = round(torch.cuda.max_memory_allocated() / MiB, 2)
+        from pytest_gpumem.rankside import fakegpu
+
+        if fakegpu.active:
+            figure["supplied"] = sorted({line.split(" at ")[0] for line in fakegpu.supplied()})
+    return figure
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    text = str(exc).strip().splitlines()
+    return {"error": f"{type(exc).__name__}: {text[0][:300] if text else ''}"}
+
+
+def worker(family: str, mode: str, dtype: str, names: list[str], where: str, levels: dict[str, str]) -> None:
+    """One process per (family, mode, dtype): the fake GPU and the simulated world installed, torch and
+    transformers imported once, each model in a forked child; one JSON line per model on stdout."""
+    world = 1 if mode == "single" else 2
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 3000))
+    sys.path.insert(0, str(ROOT))
+    if where != "cpu":
+        from pytest_gpumem.rankside import simulate
+
+        if world > 1:
+            os.environ[simulate.SIMULATE_ENV] = f"0/{world}"
+            simulate.install_world(simulate.World(0, world))
+    if where == "fake":
+        from pytest_gpumem.rankside import fakegpu
+
+        fakegpu.install(os.environ.get("SWEEP_FAKE_MODEL", "NVIDIA H200"), os.environ.get("SWEEP_CALIBRATION"))
+    import torch
+    import transformers  # noqa: F401 - imported once, before the forks
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    for name in names:
+        tries = [levels[name]] if name in levels else list(LEVELS)
+        for level in tries:
+            figure = _forked(lambda: _one(family, name, mode, dtype, where, world, level))
+            if "error" not in figure:
+                break
+        print(json.dumps({"family": family, "model": name, "case": f"{mode}/{dtype}", **figure}), flush=True)
+
+
+def _one(family: str, name: str, mode: str, dtype: str, where: str, world: int, level: str) -> dict[str, Any]:
+    import torch
+
+    if world > 1:  # one rank trains without a process group, as a single-GPU job does
+        import torch.distributed as dist
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=world)
+    return train(family, name, mode, dtype, "cpu" if where == "cpu" else "cuda", level)
+
+
+def _forked(job: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``job`` in a child forked from this process (its imports done): its figure, or how it ended."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            figure = job()
+        except BaseException as exc:  # noqa: BLE001 - the table lists what stopped it
+            figure = _error(exc)
+        os.write(write, json.dumps(figure).encode())
+        os._exit(0)
+    os.close(write)
+    return _collect(read, pid)
+
+
+def _collect(read: int, pid: int) -> dict[str, Any]:
+    """The child's figure, or how it ended: killed past ``MODEL_TIMEOUT_S``, or died without a word."""
+    chunks, deadline = [], time.monotonic() + MODEL_TIMEOUT_S
+    while True:
+        ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read)
+            return {"error": f"Timeout: no figure in {MODEL_TIMEOUT_S} s"}
+        chunk = os.read(read, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode()
+    return json.loads(text) if text else {"error": f"Died: wait status {status}"}
+
+
+def _frameworks_env() -> dict[str, str]:
+    frameworks = Path(sys.prefix) / "frameworks"
+    paths = [str(frameworks)] if frameworks.is_dir() else []
+    path = os.pathsep.join(filter(None, [*paths, str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path,
+            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def sweep(where: str, families: list[str], modes: list[str], dtypes: list[str], only: list[str],
+          parallel: int, levels: dict[str, str]) -> list[dict[str, Any]]:
+    """Every (family, mode, dtype) group in a worker of its own, ``parallel`` at a time; with ``levels``
+    (the denominator's), only the models that trained on plain CPU torch, built as they were there."""
+    import subprocess
+
+    groups = [(f, m, d) for f in families for m in modes for d in dtypes]
+    names = {f: [n for n in _names(f) if (not only or n in only) and (not levels or f"{f}/{n}" in levels)]
+             for f in families}
+    os.environ[LEVELS_ENV] = json.dumps(levels)
+    rows: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def run_group(family: str, mode: str, dtype: str) -> None:
+        command = [sys.executable, __file__, "--worker", family, mode, dtype, ",".join(names[family]), where]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_frameworks_env())
+        for line in process.stdout or ():
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            with lock:
+                rows.append(row)
+                if ROWS_ENV in os.environ:  # each row as it comes: a run cut short keeps what it measured
+                    with open(os.environ[ROWS_ENV], "a") as rows_file:
+                        rows_file.write(line)
+                shown = row.get("mib", row.get("error", ""))
+                print(f"{row['family']:20s} {row['model']:28s} {row['case']:12s} {shown}", flush=True)
+        process.wait()
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(lambda group: run_group(*group), [g for g in groups if names[g[0]]]))
+    return rows
+
+
+def _names(family: str) -> list[str]:
+    import subprocess
+
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import fake_gpu_sweep as s; " \
+           f"print(','.join(s.architectures({family!r})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_frameworks_env(),
+                          check=True)
+    return done.stdout.strip().split(",")
+
+
+def op_of(error: str) -> str | None:
+    """The op an error names (``aten::x``), if it is the fake GPU's own word on an op."""
+    import re
+
+    found = re.search(r"(aten::[\w.]+)", error)
+    return found.group(1) if found and "fake GPU" in error else None
+
+
+def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None) -> str:
+    """Per family and case: the denominator (trains on plain CPU), runs on the fake GPU, stops naming an
+    op, crashes; with a GPU run, how many read within 1% of it. Then every model that did not run, with
+    its error, and every figure beyond 1%."""
+    def index(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
+        return {(r["family"], r["model"], r["case"]): r for r in doc["rows"]}
+
+    cpu_rows, fake_rows = index(cpu), index(fake)
+    real_rows = index(real) if real else {}
+    lines = [f"torch {fake['torch']} (fake, {fake['device']}); transformers {fake['transformers']}"
+             + (f"; real: {real['device']}, torch {real['torch']}" if real else ""),
+             "", "| family | case | built + trained on CPU | runs on the fake GPU | stops naming an op | crashes |"
+             + (" GPU ran | within 1% |" if real else ""),
+             "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if real else "")]
+    notes, apart, beyond = [], [], []
+    for family in sorted({k[0] for k in fake_rows}):
+        for case in [f"{m}/{d}" for m in MODES for d in DTYPES]:
+            keys = [k for k in fake_rows if k[0] == family and k[2] == case]
+            if not keys:
+                continue
+            on_cpu = {k: cpu_rows.get((family, k[1], "single/fp32"), {"error": ""}) for k in keys}
+            denominator = [k for k in keys if "error" not in on_cpu[k]]
+            ran = [k for k in denominator if "error" not in fake_rows[k]]
+            named = [k for k in denominator if "error" in fake_rows[k] and op_of(fake_rows[k]["error"])]
+            crashed = [k for k in denominator if k not in ran and k not in named]
+            row = f"| {family} | {case} | {len(denominator)} | {len(ran)} | {len(named)} | {len(crashed)} |"
+            if real:
+                both = [k for k in ran if "mib" in real_rows.get(k, {})]
+                both = [k for k in both if real_rows[k].get("level") == fake_rows[k].get("level")]  # the same model
+                near = [k for k in both if _near(fake_rows[k]["mib"], real_rows[k]["mib"])]
+                row += f" {len(both)} | {len(near)} ({100 * len(near) / max(1, len(both)):.0f}%) |"
+                beyond += [_beyond(k, real_rows[k]["mib"], fake_rows[k]["mib"]) for k in both if k not in near]
+            lines.append(row)
+            notes += [f"{k[0]} {k[1]} {k[2]}: {fake_rows[k]['error']}" for k in named + crashed]
+        apart += sorted({f"{family} {k[1]}: {cpu_rows[k]['error']}" for k in cpu_rows
+                         if k[0] == family and "error" in cpu_rows[k]})
+    lines += ["", "Did not run on the fake GPU (of the denominator):", *(notes or ["(none)"])]
+    if real:
+        lines += ["", "Beyond 1% of the GPU:", *(beyond or ["(none)"])]
+    lines += ["", "Not in the denominator (did not build or train on plain CPU torch):", *(apart or ["(none)"])]
+    return "\n".join(lines)
+
+
+def _beyond(key: tuple[str, str, str], real: float, fake: float) -> str:
+    return f"{' '.join(key)}: gpu {real:.2f} fake {fake:.2f} ({100 * (fake / real - 1):+.2f}%)"
+
+
+def _near(fake: float, real: float) -> bool:
+    return abs(fake - real) <= max(0.01 * real, 0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real", action="store_true", help="on this machine's GPU")
+    parser.add_argument("--cpu", action="store_true", help="on plain CPU torch, world 1 (the denominator)")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--only", default="", help="comma-separated model types (default: the whole family)")
+    parser.add_argument("--parallel", type=int, default=2, help="groups at a time")
+    parser.add_argument("--model", help="the GPU model a fake GPU emulates (default NVIDIA H200)")
+    parser.add_argument("--calibration", type=Path, help="a gpumem-calibration.json for --model")
+    parser.add_argument("--levels", type=Path, metavar="CPU_JSON",
+                        help="the denominator's run: only its models, each shrunk as it trained there")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--table", nargs="+", type=Path, metavar="JSON", help="cpu.json fake.json [real.json]")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="runs of one side, later ones replacing earlier rows of the same model and case (--out)")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        family, mode, dtype, names, where = args.worker
+        chosen = json.loads(os.environ.get(LEVELS_ENV) or "{}")
+        worker(family, mode, dtype, names.split(","), where,
+               {key.split("/", 1)[1]: level for key, level in chosen.items() if key.startswith(family + "/")})
+        return 0
+    if args.merge:
+        docs = [json.loads(path.read_text()) for path in args.merge]
+        merged = {(r["family"], r["model"], r["case"]): r for doc in docs for r in doc["rows"]}
+        out = {**docs[0], "rows": list(merged.values()), "seconds": sum(doc["seconds"] for doc in docs),
+               "command": " && ".join(doc["command"] for doc in docs)}
+        (args.out or args.merge[0]).write_text(json.dumps(out, indent=1) + "\n")
+        return 0
+    if args.table:
+        docs = [json.loads(path.read_text()) for path in args.table]
+        print(table(docs[0], docs[1], docs[2] if len(docs) > 2 else None))
+        return 0
+    where = "real" if args.real else "cpu" if args.cpu else "fake"
+    if args.model:
+        os.environ["SWEEP_FAKE_MODEL"] = args.model
+    if args.calibration:
+        os.environ["SWEEP_CALIBRATION"] = str(args.calibration.resolve())
+    modes = ["single"] if where == "cpu" else args.modes.split(",")
+    dtypes = ["fp32"] if where == "cpu" else args.dtypes.split(",")  # the denominator: trains in fp32
+    started = time.perf_counter()
+    levels = {}
+    if args.levels:
+        levels = {f"{r['family']}/{r['model']}": r["level"] for r in json.loads(args.levels.read_text())["rows"]
+                  if r["case"] == "single/fp32" and "error" not in r}
+    rows = sweep(where, args.families.split(","), modes, dtypes,
+                 [n for n in args.only.split(",") if n], args.parallel, levels)
+    doc = {"where": where, "torch": _version("torch"), "transformers": _version("transformers"),
+           "device": _device(where), "seconds": round(time.perf_counter() - started, 1),
+           "command": " ".join(["python", "benchmarks/fake_gpu_sweep.py", *(argv or sys.argv[1:])]), "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"{len(rows)} runs in {doc['seconds']} s")
+    return 0
+
+
+def _version(name: str) -> str:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__version__)"], capture_output=True,
+                          text=True, env=_frameworks_env())
+    return done.stdout.strip() or "?"
+
+
+def _device(where: str) -> str:
+    if where == "cpu":
+        return "cpu"
+    if where == "fake":
+        return f"fake {os.environ.get('SWEEP_FAKE_MODEL', 'NVIDIA H200')}"
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
