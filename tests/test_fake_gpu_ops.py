@@ -195,3 +195,18 @@ def test_routing_by_max_over_the_last_dim_without_keepdim_is_balanced():
         print(json.dumps({"shape": list(chosen.shape), "values": chosen.tolist()}))
     ''')
     assert found == {"shape": [8], "values": [0, 1, 2, 3, 0, 1, 2, 3]}
+
+
+def test_the_accelerator_api_answers_with_the_fake_gpus_streams():
+    """FSDP2 waits on ``torch.accelerator.current_stream()`` at the end of backward; the device guard's
+    stream carried no device on a fake GPU, and the wait failed at random ("Unknown device: 96")."""
+    found = run('''
+        torch.cuda.set_device(0)
+        stream = torch.accelerator.current_stream()
+        event = torch.cuda.Event()
+        event.record()
+        stream.wait_event(event)
+        torch.accelerator.synchronize()
+        print(json.dumps({"same": stream is torch.cuda.current_stream(), "capturing": stream.is_capturing()}))
+    ''')
+    assert found == {"same": True, "capturing": False}

@@ -49,6 +49,9 @@ class FakeStream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:  # no CUDA graph is ever captured (the optimizers ask)
+        return False
+
     def __enter__(self) -> "FakeStream":
         _state.streams.append(self)
         return self
@@ -263,6 +266,12 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     for name, value in replacements.items():
         setattr(cuda, name, _own(name, value))  # one function each: torch._dynamo maps them one to one
     cuda.graphs.is_current_stream_capturing = cuda.is_current_stream_capturing
+    # torch.accelerator asks the device guard, whose fake stream carries no device (FSDP2's backward
+    # waited on it: "Unknown device: 96"): the accelerator's streams are torch.cuda's here
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        accelerator.current_stream = _own("current_stream", current_stream)
+        accelerator.synchronize = _own("synchronize", noop)
     memory = cuda.memory
     for name in ("memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
