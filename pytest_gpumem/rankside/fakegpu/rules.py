@@ -14,7 +14,7 @@ Three kinds, tried in this order:
   bfloat16, CUDA's kernel loops over the groups in any float type): the op's CPU kernel runs once on
   stand-in inputs of the same shapes, strides and dtypes (zeros), and its outputs' metadata become
   the fake outputs. The report lists each such op with the job's line, as it lists a supplied value.
-  An op the CPU kernel refuses too is the job's error, raised as the fake mode raised it.
+  An op the CPU kernel refuses too is the job's error, raised in the kernel's words.
 """
 
 from __future__ import annotations
@@ -148,20 +148,20 @@ def answer_on_the_cpu(torch: ModuleType, mode: Any, fake_type: Any, func: Any, a
     if any(fake.layout != torch.strided for fake in fakes):
         layouts = ", ".join(sorted({str(f.layout) for f in fakes}))
         raise NoAnswer(f"its inputs are {layouts} (no storage to stand in for)")
-    size = sum(fake.untyped_storage().nbytes() for fake in {id(f.untyped_storage()): f for f in fakes}.values())
+    storages = {f.untyped_storage()._cdata: f.untyped_storage().nbytes() for f in fakes}  # noqa: SLF001
+    size = sum(storages.values())
     if size > STAND_IN_LIMIT:
         raise NoAnswer(f"its inputs ({size / 2**30:.1f} GiB) are too large to stand in for on the host")
-    stand_ins: dict[int, Any] = {}  # id(fake storage) -> its CPU stand-in storage, shared as on the GPU
-    by_data: dict[int, Any] = {}  # a stand-in's data pointer -> the fake tensor it stands in for
+    # one stand-in per fake storage, shared by the inputs that share it, as on the GPU
+    stand_ins = {key: torch.zeros(nbytes, dtype=torch.uint8) for key, nbytes in storages.items()}
+    by_data: dict[int, list[Any]] = {}  # a stand-in's data pointer -> the fake tensors on that storage
 
     def stand_in(leaf: Any) -> Any:
         if isinstance(leaf, fake_type):
-            storage = leaf.untyped_storage()
-            if id(storage) not in stand_ins:
-                stand_ins[id(storage)] = torch.zeros(storage.nbytes(), dtype=torch.uint8)
-            base = stand_ins[id(storage)].view(leaf.dtype) if leaf.element_size() else stand_ins[id(storage)]
-            real = base.as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
-            by_data.setdefault(real.untyped_storage().data_ptr(), leaf)
+            bytes_ = stand_ins[leaf.untyped_storage()._cdata]  # noqa: SLF001
+            real = bytes_.view(leaf.dtype).as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
+            if bytes_.numel():
+                by_data.setdefault(bytes_.data_ptr(), []).append(leaf)
             return real
         if isinstance(leaf, torch.device) and leaf.type == "cuda":
             return torch.device("cpu")
@@ -180,13 +180,14 @@ def answer_on_the_cpu(torch: ModuleType, mode: Any, fake_type: Any, func: Any, a
             return leaf
         if leaf.layout != torch.strided:
             raise NoAnswer(f"its CPU kernel returns a {leaf.layout} tensor, which a fake GPU does not count")
-        source = by_data.get(leaf.untyped_storage().data_ptr())
-        if source is not None:  # written in place or a view of an input: the fake input itself, or its view
-            if leaf.shape == source.shape and leaf.stride() == source.stride() and \
-                    leaf.storage_offset() == source.storage_offset():
-                return source
+        sources = by_data.get(leaf.untyped_storage().data_ptr()) if leaf.untyped_storage().nbytes() else None
+        if sources:  # written in place or a view of an input: the fake input itself, or a view of its storage
+            geometry = (leaf.shape, leaf.stride(), leaf.storage_offset())
+            same = [f for f in sources if (f.shape, f.stride(), f.storage_offset()) == geometry]
+            if same:
+                return same[0]
             with mode:
-                return source.as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
+                return sources[0].as_strided(*geometry)
         itemsize = leaf.element_size() or 1
         with _disable_current_modes():
             base = torch.empty(leaf.untyped_storage().nbytes() // itemsize, dtype=leaf.dtype, device="meta")
