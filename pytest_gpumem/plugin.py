@@ -162,10 +162,10 @@ class GpumemItem(pytest.Item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Generator[None, Any, Any]:
-    """Validate marker arguments as the test is collected, so a typo is a collection error.
+    """Validate marker arguments as the test is collected, before anything launches.
 
-    Every bad marker of a module is named: they are gathered here and raised together when the
-    module's collection report is made.
+    A bad marker is that test's error, raised at its setup (``pytest_runtest_setup``): the module's
+    other tests are collected and run, with --gpumem or without.
     """
     result = yield
     parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
@@ -179,30 +179,16 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
         try:
             parent.specs[item.nodeid] = parse_marker(marker.args, marker.kwargs, parent.defaults)
         except SpecError as exc:
-            parent.bad_markers.setdefault(collector.nodeid, []).append(
-                f"{item.nodeid}: invalid gpumem marker: {exc}")
+            parent.bad_markers[item.nodeid] = f"{item.nodeid}: invalid gpumem marker: {exc}"
     return result
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
-    report = yield
-    parent = collector.config.pluginmanager.get_plugin("gpumem-parent")
-    bad = parent.bad_markers.pop(collector.nodeid, None) if parent is not None else None
-    if parent is not None and bad:
-        # The module's report fails, so pytest will not collect the classes in it: look inside them
-        # now, so that their bad markers are named in the same report.
-        for child in report.result or []:
-            if isinstance(child, pytest.Class):
-                try:
-                    child.collect()
-                except Exception:  # noqa: BLE001 - the class's own error surfaces once the markers are fixed
-                    pass
-                bad.extend(parent.bad_markers.pop(child.nodeid, []))
-        report.outcome = "failed"
-        report.longrepr = "\n".join(bad)
-        report.result = []
-    return report
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    parent = item.config.pluginmanager.get_plugin("gpumem-parent")
+    bad = parent.bad_markers.get(item.nodeid) if parent is not None else None
+    if bad is not None:
+        pytest.fail(bad, pytrace=False)
 
 
 class ParentSide:
@@ -214,7 +200,7 @@ class ParentSide:
         self.settings = resolved
         self.defaults = resolved.defaults(launchers or LAUNCHERS)  # what a marker leaves out, resolved once
         self.specs: dict[str, Spec] = {}
-        self.bad_markers: dict[str, list[str]] = {}  # collector node id -> messages
+        self.bad_markers: dict[str, str] = {}  # test node id -> its marker's error, raised at its setup
         self.records: list[TestRecord] = []
         self._built: dict[str, TestRecord] = {}  # node id -> its record, until its call report is logged
         self.plots_written: list[Path] = []

@@ -251,6 +251,10 @@ def test_a_commit_that_does_not_collect_is_named_by_its_reason_not_pytests_last_
                                   "did you mean 'nproc'? accepted are nproc")
     assert _tail("E   SyntaxError: invalid syntax\nERROR: found no collectors for x") == "SyntaxError: invalid syntax"
     assert _tail("1 passed in 0.1s") == "1 passed in 0.1s"
+    setup = ("___ ERROR at setup of test_job ___\ntest_job.py::test_job: invalid gpumem marker: nproc=0 is not accepted"
+             "\n=== short test summary info ===\nERROR test_job.py::test_job - Failed: test_job.py::test_job: inv...\n"
+             "1 error in 0.01s")
+    assert _tail(setup) == "test_job.py::test_job: invalid gpumem marker: nproc=0 is not accepted"  # issue 64
 
 
 # ---------------------------------------------------------------------------------------------- real bisects

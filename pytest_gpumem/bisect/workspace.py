@@ -82,11 +82,11 @@ def _pin_plugin(folder: Path) -> None:
 
 def _tail(log: str) -> str:
     """The line of a step's output that says what went wrong: pytest's last ``E`` line, else the first
-    line under a collection error's header (a marker error has no ``E`` line; pytest's own last line,
+    line under a collection or setup error's header (a marker error has no ``E`` line; pytest's own last line,
     ``ERROR: found no collectors for ...``, says only that it failed), else the last line."""
     lines = [line.rstrip() for line in log.splitlines() if line.strip()]
     errors = [line for line in lines if re.match(r"E\s{2,}\S", line)]
-    headers = [i for i, line in enumerate(lines[:-1]) if re.match(r"_+ ERROR collecting .* _+$", line)]
+    headers = [i for i, line in enumerate(lines[:-1]) if re.match(r"_+ ERROR (collecting|at setup of) .* _+$", line)]
     under = [lines[headers[0] + 1]] if headers and not lines[headers[0] + 1].startswith("_") else []
     picked = (errors or under or lines or ["(no output)"])[-1]
     picked = re.sub(r"^E\s+", "", picked)
