@@ -58,9 +58,8 @@ SEQ, BATCH = 128, 4
 
 
 # How far a config is shrunk: all sizes; all but the attention heads' (a model that derives its head
-# size from its own head count, or checks it). The
-# denominator's run (--cpu) takes the first level that trains on plain CPU torch, and the other runs
-# read it from there (--levels), so that each side builds the same model.
+# size from its own head count, or checks it). The denominator's run (--cpu) takes the first level that
+# trains on plain CPU torch, and the other runs read it from there (--levels): each side builds the same model.
 LEVELS = ("tiny", "tiny-heads")
 HEAD_KEYS = {"num_attention_heads", "num_key_value_heads", "head_dim", "n_head", "num_heads", "d_kv",
              "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -138,8 +137,6 @@ def build(family: str, model_type: str, device: str, level: str) -> tuple[Any, C
 
 
 def wrap(model: Any, mode: str) -> Any:
-    import torch
-
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -157,8 +154,6 @@ def wrap(model: Any, mode: str) -> Any:
         for module in reversed(chosen):  # chosen first (sharding replaces the parameters), then inner blocks first
             fully_shard(module)
         fully_shard(model)
-        return model
-    del torch
     return model
 
 

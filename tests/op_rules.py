@@ -9,7 +9,7 @@ CUDA tensors, and a sample CUDA accepted that the fake GPU refuses is a rule **s
 ``benchmarks/results/op_rules_gpu.json``.
 
     python3 tests/op_rules.py --real --out op_rules_gpu.json     # on a GPU
-    python tests/op_rules.py --against op_rules_gpu.json          # here: the comparison, one line per miss
+    python tests/op_rules.py --against op_rules_gpu.json          # here: the comparison, on one line
 
 Samples are made on the CPU (same seed, same shapes on both sides) and moved to the device, so the
 small integer ones (indices, sizes) carry their values onto the fake GPU as they do onto a real one.

@@ -188,8 +188,8 @@ def test_what_was_supplied_reaches_every_output(pytester: pytest.Pytester, monke
 
 # Each idiom as rank 0 and rank 1 of a world of 2 (simulated: this rank with a stand-in group), where the
 # paths that exist only above world 1 run: SyncBatchNorm's statistics gathering, DDP's buckets, FSDP's
-# shards. The GPU's figures of the same (benchmarks/results/fake_gpu_idioms_gpu_w2_r{rank}.json, a real GPU
-# with the same stand-in group) where committed.
+# shards. The GPU's figures of the same: benchmarks/results/fake_gpu_idioms_gpu_w2_r{rank}.json (a real GPU
+# with the same stand-in group).
 APART_AT_RANK_1 = {
     "object_collectives": "it asserts what rank 0 broadcast: a simulated rank 1 has no rank 0's objects "
                           "(simulate.py says so by name), on a GPU too",
@@ -205,12 +205,9 @@ RANDOM_AT_WORLD_2 = {"all_to_all_split_sizes": "split sizes drawn at random, run
 def world_of_2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rank = request.param
     out = tmp_path_factory.mktemp("idioms2") / f"rank{rank}.json"
-    gpu = RESULTS / f"fake_gpu_idioms_gpu_w2_r{rank}.json"
+    real = json.loads((RESULTS / f"fake_gpu_idioms_gpu_w2_r{rank}.json").read_text())
     command = [sys.executable, str(ROOT / "tests" / "idioms.py"), "--world", "2", "--rank", str(rank),
-               "--out", str(out)]
-    real = json.loads(gpu.read_text()) if gpu.exists() else None
-    if real is not None:
-        command += ["--model", real["device"]] + (["--calibration", str(CALIBRATION)] if CALIBRATION.exists() else [])
+               "--out", str(out), "--model", real["device"], "--calibration", str(CALIBRATION)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"rank": rank, "fake": json.loads(out.read_text()), "gpu": real}
@@ -228,8 +225,6 @@ def test_every_idiom_runs_as_rank_0_and_rank_1_of_a_world_of_2(world_of_2: dict[
 
 @on_fake
 def test_at_a_world_of_2_each_idiom_reads_the_gpus_figure(world_of_2: dict[str, Any]) -> None:
-    if world_of_2["gpu"] is None:
-        pytest.skip(f"no GPU figures at a world of 2 committed for rank {world_of_2['rank']}")
     gpu, fake = world_of_2["gpu"]["idioms"], world_of_2["fake"]["idioms"]
     off = {name: (gpu[name]["mib"], fake[name]["mib"]) for name in gpu
            if "mib" in gpu[name] and "mib" in fake.get(name, {}) and name not in {*APART, *RANDOM_AT_WORLD_2}

@@ -144,7 +144,7 @@ def test_grouped_mm_in_float32_is_answered_by_its_cpu_kernel_and_listed():
 
 def test_an_op_its_cpu_kernel_refuses_too_is_the_jobs_own_error():
     """The CPU kernel answers for a rule stricter than CUDA, never for a job's mistake: mismatched
-    contraction sizes raise the shape rule's own error, as on a GPU."""
+    contraction sizes raise the kernel's own error, as on a GPU."""
     done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent('''
         torch.cuda.set_device(0)
         offsets = torch.tensor([16, 32], device="cuda", dtype=torch.int32)

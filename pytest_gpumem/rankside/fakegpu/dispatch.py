@@ -228,7 +228,7 @@ def install_dispatch(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     torch._C._set_only_lift_cpu_tensors(True)
     _keep_ties(torch, FakeTensor)
     rules.install_rules(torch)
-    _compile_runs_eagerly(torch, policy.supplied)
+    _compile_runs_eagerly(torch, supplied)
     _save_from_the_host(torch, FakeTensor)
     after_import("torch.distributed.fsdp._fully_shard._fully_shard", _mend_fsdp2_move)  # the name its caller holds
     mode = FakeGpuMode()
