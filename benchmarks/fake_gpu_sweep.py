@@ -276,20 +276,23 @@ def _frameworks_env() -> dict[str, str]:
 
 
 def sweep(where: str, families: list[str], modes: list[str], dtypes: list[str], only: list[str],
-          parallel: int, levels: dict[str, str]) -> list[dict[str, Any]]:
-    """Every (family, mode, dtype) group in a worker of its own, ``parallel`` at a time; with ``levels``
-    (the denominator's), only the models that trained on plain CPU torch, built as they were there."""
+          parallel: int, levels: dict[str, str], chunk: int = 0) -> list[dict[str, Any]]:
+    """Every (family, mode, dtype) group in workers of their own, ``chunk`` models a worker (0: the whole
+    group), ``parallel`` at a time; with ``levels`` (the denominator's), only the models that trained on
+    plain CPU torch, built as they were there."""
     import subprocess
 
-    groups = [(f, m, d) for f in families for m in modes for d in dtypes]
     names = {f: [n for n in _names(f) if (not only or n in only) and (not levels or f"{f}/{n}" in levels)]
              for f in families}
+    size = {f: chunk or max(1, len(names[f])) for f in families}
+    groups = [(f, m, d, names[f][i:i + size[f]]) for f in families for m in modes for d in dtypes
+              for i in range(0, len(names[f]), size[f])]
     os.environ[LEVELS_ENV] = json.dumps(levels)
     rows: list[dict[str, Any]] = []
     lock = threading.Lock()
 
-    def run_group(family: str, mode: str, dtype: str) -> None:
-        command = [sys.executable, __file__, "--worker", family, mode, dtype, ",".join(names[family]), where]
+    def run_group(family: str, mode: str, dtype: str, chosen: list[str]) -> None:
+        command = [sys.executable, __file__, "--worker", family, mode, dtype, ",".join(chosen), where]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_frameworks_env())
         for line in process.stdout or ():
             if not line.startswith("{"):
@@ -305,7 +308,7 @@ def sweep(where: str, families: list[str], modes: list[str], dtypes: list[str], 
         process.wait()
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(lambda group: run_group(*group), [g for g in groups if names[g[0]]]))
+        list(pool.map(lambda group: run_group(*group), groups))
     return rows
 
 
@@ -386,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--only", default="", help="comma-separated model types (default: the whole family)")
-    parser.add_argument("--parallel", type=int, default=2, help="groups at a time")
+    parser.add_argument("--parallel", type=int, default=2, help="workers at a time")
+    parser.add_argument("--chunk", type=int, default=0, help="models a worker (default: a whole group)")
     parser.add_argument("--model", help="the GPU model a fake GPU emulates (default NVIDIA H200)")
     parser.add_argument("--calibration", type=Path, help="a gpumem-calibration.json for --model")
     parser.add_argument("--levels", type=Path, metavar="CPU_JSON",
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                {key.split("/", 1)[1]: level for key, level in chosen.items() if key.startswith(family + "/")})
         return 0
     if args.merge:
-        docs = [json.loads(path.read_text()) for path in args.merge]
+        docs = [_document(path) for path in args.merge]
         merged = {(r["family"], r["model"], r["case"]): r for doc in docs for r in doc["rows"]}
         out = {**docs[0], "rows": list(merged.values()), "seconds": sum(doc["seconds"] for doc in docs),
                "command": " && ".join(doc["command"] for doc in docs)}
@@ -426,15 +430,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.levels:
         levels = {f"{r['family']}/{r['model']}": r["level"] for r in json.loads(args.levels.read_text())["rows"]
                   if r["case"] == "single/fp32" and "error" not in r}
+    head = {"where": where, "torch": _version("torch"), "transformers": _version("transformers"),
+            "device": _device(where), "command": " ".join(["python", "benchmarks/fake_gpu_sweep.py",
+                                                           *(argv or sys.argv[1:])])}
+    if ROWS_ENV in os.environ:  # the rows file's first line: what --merge needs to make it a run's document
+        with open(os.environ[ROWS_ENV], "a") as rows_file:
+            rows_file.write(json.dumps({"head": head}) + "\n")
     rows = sweep(where, args.families.split(","), modes, dtypes,
-                 [n for n in args.only.split(",") if n], args.parallel, levels)
-    doc = {"where": where, "torch": _version("torch"), "transformers": _version("transformers"),
-           "device": _device(where), "seconds": round(time.perf_counter() - started, 1),
-           "command": " ".join(["python", "benchmarks/fake_gpu_sweep.py", *(argv or sys.argv[1:])]), "rows": rows}
+                 [n for n in args.only.split(",") if n], args.parallel, levels, args.chunk)
+    doc = {**head, "seconds": round(time.perf_counter() - started, 1), "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{len(rows)} runs in {doc['seconds']} s")
     return 0
+
+
+def _document(path: Path) -> dict[str, Any]:
+    """A run's document: its JSON, or the rows file (SWEEP_ROWS) of a run cut short, whose first line is its
+    head and whose seconds are unknown (0)."""
+    if path.suffix != ".jsonl":
+        return json.loads(path.read_text())
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {**lines[0]["head"], "seconds": 0, "rows": [line for line in lines[1:] if "head" not in line]}
 
 
 def _version(name: str) -> str:
