@@ -1,0 +1,262 @@
+"""torch's caching allocator replayed: each rule of ``CUDACachingAllocator.cpp`` on a hand-built trace
+whose reserved figure follows from that rule alone; ``PYTORCH_CUDA_ALLOC_CONF`` parsed as torch does.
+(The replay against a GPU's own figures: benchmarks/allocator_replay.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpumem.sampling.alloc_conf import AllocConf, AllocConfError, alloc_conf_from_env, parse_alloc_conf
+from pytest_gpumem.sampling.caching_allocator import (
+    AllocatorOutOfMemory,
+    CachingAllocator,
+    replay_allocator,
+    round_size,
+    trace_events,
+    traced_reserved_peak,
+)
+
+KiB, MiB = 2**10, 2**20
+
+
+def test_requests_round_to_512_bytes_and_small_ones_share_a_2_mib_segment():
+    allocator = CachingAllocator()
+    first, _ = allocator.malloc(1), allocator.malloc(1000)
+    assert allocator.allocated == 512 + 1024
+    assert allocator.heap.reserved == 2 * MiB
+    allocator.free(first)
+    allocator.malloc(300)  # the freed 512 bytes again, no new segment
+    assert (allocator.heap.reserved, allocator.heap.count) == (2 * MiB, 1)
+
+
+def test_a_request_over_1_mib_never_takes_the_small_pool():
+    allocator = CachingAllocator()
+    allocator.malloc(1 * MiB)  # the largest small request: a 2 MiB segment
+    allocator.malloc(1 * MiB + 512)  # one byte-block more: the large pool's 20 MiB segment
+    assert allocator.heap.reserved == 22 * MiB
+
+
+def test_requests_of_1_to_10_mib_split_one_20_mib_segment():
+    allocator = CachingAllocator()
+    for _ in range(6):
+        allocator.malloc(3 * MiB)  # 6 x 3 MiB = 18 MiB in one segment, 2 MiB left over
+    assert allocator.heap.reserved == 20 * MiB
+    allocator.malloc(3 * MiB)  # the 2 MiB remainder does not fit: a second segment
+    assert allocator.heap.reserved == 40 * MiB
+
+
+def test_a_large_request_takes_its_size_rounded_up_to_2_mib():
+    allocator = CachingAllocator()
+    allocator.malloc(10 * MiB + 1)
+    assert allocator.heap.reserved == 12 * MiB
+
+
+def test_a_large_block_is_not_split_for_a_remainder_of_1_mib_or_less():
+    allocator = CachingAllocator()
+    big = allocator.malloc(12 * MiB)
+    allocator.free(big)
+    allocator.malloc(11 * MiB + 512)  # fits the cached 12 MiB, leaving under 1 MiB: the whole block
+    assert allocator.allocated == 12 * MiB
+    allocator.free(allocator.malloc(2 * MiB))  # so nothing is left to serve this: a new segment
+    assert allocator.heap.reserved == 32 * MiB
+
+
+def test_freed_neighbours_merge_back_into_one_block():
+    allocator = CachingAllocator()
+    parts = [allocator.malloc(5 * MiB) for _ in range(4)]  # one 20 MiB segment, split in four
+    for part in parts:
+        allocator.free(part)
+    allocator.malloc(19 * MiB)  # only a merged 20 MiB block serves it
+    assert allocator.heap.reserved == 20 * MiB
+
+
+def test_best_fit_takes_the_smallest_cached_block_that_fits():
+    allocator = CachingAllocator()
+    small, large = allocator.malloc(12 * MiB), allocator.malloc(40 * MiB)
+    allocator.free(small)
+    allocator.free(large)
+    allocator.malloc(12 * MiB)
+    allocator.malloc(40 * MiB)  # still cached: the 12 MiB request did not split it
+    assert allocator.heap.reserved == 52 * MiB
+
+
+def test_each_stream_has_its_own_cached_blocks():
+    allocator = CachingAllocator()
+    allocator.free(allocator.malloc(12 * MiB, stream=0))
+    allocator.malloc(12 * MiB, stream=1)  # the block cached on stream 0 is not reused on stream 1
+    assert allocator.heap.reserved == 24 * MiB
+    allocator.malloc(12 * MiB, stream=0)
+    assert allocator.heap.reserved == 24 * MiB
+
+
+def test_a_block_used_on_another_stream_is_cached_only_once_its_event_completes():
+    allocator = CachingAllocator(settle_at_malloc=False)
+    block = allocator.malloc(12 * MiB)
+    allocator.record_stream(block, 1)
+    allocator.free(block)
+    allocator.malloc(12 * MiB)  # the event is outstanding: a new segment
+    assert allocator.heap.reserved == 24 * MiB
+    allocator.complete(block)
+    allocator.malloc(12 * MiB)
+    assert allocator.heap.reserved == 24 * MiB
+
+
+def test_a_use_on_the_allocating_stream_needs_no_event():
+    allocator = CachingAllocator(settle_at_malloc=False)
+    block = allocator.malloc(12 * MiB)
+    allocator.record_stream(block, 0)
+    allocator.free(block)
+    allocator.malloc(12 * MiB)
+    assert allocator.heap.reserved == 12 * MiB
+
+
+def test_empty_cache_frees_whole_cached_segments_and_keeps_split_ones():
+    allocator = CachingAllocator()
+    whole, part = allocator.malloc(12 * MiB), allocator.malloc(3 * MiB)
+    allocator.free(whole)
+    allocator.empty_cache()
+    assert allocator.heap.reserved == 20 * MiB  # the 20 MiB segment holding the live 3 MiB stays
+    allocator.free(part)
+    allocator.empty_cache()
+    assert allocator.heap.reserved == 0
+    assert allocator.figures().reserved_peak == 32 * MiB
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_rounds_within_the_limit():
+    conf = parse_alloc_conf("max_split_size_mb:20")
+    allocator = CachingAllocator(conf)
+    allocator.free(allocator.malloc(64 * MiB))
+    allocator.malloc(12 * MiB)  # under max_split_size: an oversize block is not handed out
+    assert allocator.heap.reserved == 76 * MiB
+    allocator.malloc(50 * MiB)  # oversize, and 64 < 50 + 20: the cached 64 MiB serves it, whole
+    assert (allocator.heap.reserved, allocator.allocated) == (76 * MiB, 76 * MiB)
+    unlimited = CachingAllocator()
+    unlimited.free(unlimited.malloc(64 * MiB))
+    unlimited.malloc(12 * MiB)  # without the setting the 64 MiB block is split
+    assert unlimited.heap.reserved == 64 * MiB
+
+
+def test_oversize_rounding_refuses_a_block_20_mib_larger_than_the_request():
+    allocator = CachingAllocator(parse_alloc_conf("max_split_size_mb:20"))
+    allocator.free(allocator.malloc(64 * MiB))
+    allocator.malloc(44 * MiB)  # 64 >= 44 + 20: not served by the cached block
+    assert allocator.heap.reserved == 108 * MiB
+
+
+def test_roundup_power2_divisions_rounds_to_the_next_division():
+    conf = parse_alloc_conf("roundup_power2_divisions:4")
+    assert round_size(1200 * KiB, conf) == 1280 * KiB  # between 1024 and 2048 KiB in steps of 256
+    assert round_size(1024 * KiB, conf) == 1024 * KiB  # a power of two stays
+    assert round_size(1200 * KiB, AllocConf()) == 1200 * KiB
+    bracket = parse_alloc_conf("roundup_power2_divisions:[256:4,>:1]")
+    assert round_size(300 * MiB, bracket) == 320 * MiB  # the interval from 256 MiB: 4 divisions of 64 MiB
+    assert round_size(200 * MiB, bracket) == 224 * MiB  # 128-256 MiB: the first key fills those below it
+    assert round_size(600 * MiB, bracket) == 600 * MiB  # from 512 MiB on ('>'): 1, 512-byte rounding
+
+
+def test_expandable_segments_map_20_mib_pages_into_one_segment_per_stream():
+    allocator = CachingAllocator(parse_alloc_conf("expandable_segments:True"))
+    blocks = [allocator.malloc(12 * MiB) for _ in range(3)]  # 36 MiB in pages of 20 MiB
+    assert (allocator.heap.reserved, allocator.heap.count) == (40 * MiB, 0)
+    plain = CachingAllocator()
+    for _ in range(3):
+        plain.malloc(12 * MiB)
+    assert plain.heap.reserved == 36 * MiB
+    for block in blocks:
+        allocator.free(block)
+    allocator.empty_cache()  # every page free again: unmapped
+    assert allocator.heap.reserved == 0
+
+
+def test_expandable_segments_reuse_a_freed_run_before_mapping_more():
+    allocator = CachingAllocator(parse_alloc_conf("expandable_segments:True"))
+    first = allocator.malloc(30 * MiB)
+    allocator.malloc(8 * MiB)
+    allocator.free(first)
+    allocator.malloc(30 * MiB)  # the freed 30 MiB at the start of the segment
+    assert allocator.heap.reserved == 40 * MiB
+
+
+def test_an_allocation_over_the_capacity_frees_the_cache_and_retries():
+    allocator = CachingAllocator(capacity=40 * MiB)
+    allocator.free(allocator.malloc(24 * MiB))
+    allocator.malloc(30 * MiB)  # 24 + 30 > 40: the cached 24 MiB segment is released, then it fits
+    figures = allocator.figures()
+    assert (allocator.heap.reserved, figures.num_alloc_retries, figures.reserved_peak) == (30 * MiB, 1, 30 * MiB)
+    with pytest.raises(AllocatorOutOfMemory, match="tried to allocate"):
+        allocator.malloc(12 * MiB)
+    assert allocator.figures().num_ooms == 1
+
+
+def test_garbage_collection_frees_idle_segments_past_the_threshold():
+    conf = parse_alloc_conf("garbage_collection_threshold:0.5")  # of the allowed 200 MiB: 100 MiB
+    allocator = CachingAllocator(conf, capacity=200 * MiB, memory_fraction=1.0)
+    allocator.free(allocator.malloc(60 * MiB))
+    allocator.malloc(70 * MiB)  # a cache miss with 60 MiB reserved, under 100 MiB: no collection
+    assert allocator.heap.reserved == 130 * MiB
+    allocator.malloc(64 * MiB)  # a miss at 130 MiB: the idle 60 MiB segment goes before a new one
+    assert allocator.heap.reserved == 134 * MiB
+    plain = CachingAllocator(capacity=200 * MiB, memory_fraction=1.0)
+    plain.free(plain.malloc(60 * MiB))
+    plain.malloc(70 * MiB)
+    plain.malloc(64 * MiB)
+    assert plain.heap.reserved == 194 * MiB
+
+
+def test_fragmentation_is_the_reserved_peak_the_live_blocks_never_filled():
+    allocator = CachingAllocator()
+    parts = [allocator.malloc(5 * MiB) for _ in range(4)]
+    allocator.free(parts[0])
+    allocator.malloc(12 * MiB)  # the freed 5 MiB does not fit: a new segment
+    figures = allocator.figures()
+    assert (figures.allocated_peak, figures.reserved_peak) == (27 * MiB, 32 * MiB)
+    assert figures.fragmentation == pytest.approx(5 / 32)
+
+
+def test_a_torch_history_replays_to_its_own_segments():
+    """A history as ``torch.cuda.memory._snapshot()`` holds it: a block freed while another stream used
+    it completes later (its ``free_completed`` is not next), and a run of freed segments is an
+    ``empty_cache``."""
+    def event(action: str, addr: int, size: int, stream: int = 0) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    history = [event("segment_alloc", 1000, 12 * MiB), event("alloc", 1000, 12 * MiB),
+               event("free_requested", 1000, 12 * MiB),  # recorded on another stream
+               event("segment_alloc", 9000, 12 * MiB), event("alloc", 9000, 12 * MiB),
+               event("free_completed", 1000, 12 * MiB),
+               event("free_requested", 9000, 12 * MiB), event("free_completed", 9000, 12 * MiB),
+               event("segment_free", 1000, 12 * MiB), event("segment_free", 9000, 12 * MiB),
+               event("segment_alloc", 1000, 2 * MiB), event("alloc", 1000, 100)]
+    snapshot = {"device_traces": [history]}
+    actions = [e[0] for e in trace_events(snapshot)]
+    assert actions == ["alloc", "record_stream", "free", "alloc", "complete", "free", "empty_cache", "alloc"]
+    figures = replay_allocator(trace_events(snapshot))
+    assert figures.reserved_peak == traced_reserved_peak(snapshot) == 24 * MiB
+    assert figures.allocated_peak == 12 * MiB
+
+
+def test_the_settings_parse_as_torch_parses_them():
+    conf = parse_alloc_conf("max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6,"
+                            "roundup_power2_divisions:[64:8,256:2,>:1],release_lock_on_cudamalloc:True")
+    assert (conf.max_split_size, conf.expandable_segments, conf.garbage_collection_threshold) == \
+        (128 * MiB, True, 0.6)
+    assert conf.roundup_power2_divisions[:10] == (8,) * 7 + (0, 2, 1)
+    assert alloc_conf_from_env({"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}).expandable_segments
+    assert alloc_conf_from_env({}) == AllocConf()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_split_size_mb:10", "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be >= 20"),
+    ("max_split_size_mb:big", "max_split_size_mb accepts a whole number of MiB"),
+    ("expandable_segments:true", "expandable_segments accepts True or False, got 'true'"),
+    ("roundup_power2_divisions:3", "roundup_power2_divisions accepts a power of two, got 3"),
+    ("roundup_power2_divisions:[100:2]", "the interval '100' must be a power of two"),
+    ("garbage_collection_threshold:1.5", "garbage_collection_threshold accepts a fraction in (0.0, 1.0)"),
+    ("backend:cudaMallocAsync", "only the native caching allocator is replayed"),
+    ("max_split_sise_mb:64", "max_split_sise_mb is not a caching-allocator setting torch knows; accepted:"),
+    ("expandable_segments", "expected 'key:value'"),
+])
+def test_a_bad_setting_names_the_variable_the_key_and_what_is_accepted(text: str, message: str):
+    with pytest.raises(AllocConfError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_alloc_conf(text)
