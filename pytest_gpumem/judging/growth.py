@@ -84,7 +84,7 @@ def site_growth(old: Sequence[Site], new: Sequence[Site], against: str, old_comp
         old_mib = was.mib if was is not None else min(floor, site.mib)
         delta = site.mib - old_mib
         if delta >= LISTED_MIB:
-            grown.append(SiteChange(site.label(), old_mib, site.mib, site.callers, site.chains))
+            grown.append(SiteChange(site.label(), old_mib, site.mib, site.callers, site.chains, site.kept_alive_by()))
         elif delta > 0.05:
             unlisted, unlisted_mib = unlisted + 1, unlisted_mib + delta
         elif delta < -0.05:
@@ -111,7 +111,7 @@ def stored_sites(sites: Iterable[Site]) -> list[dict[str, Any]]:
     users = [s for s in sites if not s.internal][:STORED]
     kept = users + [s for s in sites if s.internal]
     return [{key: value for key, value in {**s.as_dict(), "mib": round(s.mib, 1)}.items()
-             if key not in ("called_from", "chains")} for s in kept]
+             if key not in ("called_from", "chains", "held_by")} for s in kept]
 
 
 def steady(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -219,11 +219,14 @@ class _Reader:
     def grown(self, item: Any, where: str) -> SiteChange | None:
         if not (isinstance(item, dict) and isinstance(item.get("site"), str) and _is_number(item.get("old_mib"))
                 and _is_number(item.get("new_mib"))):
-            return self.valid(False, item, where, "{site, old_mib, new_mib[, called_from, chains]}", None)
-        chain, chains = item.get("called_from") or [], item.get("chains", 1)
-        if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain) and _is_int(chains, 1)):
-            return self.valid(False, item, where, "called_from: a list of strings, chains: an integer >= 1", None)
-        return SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"]), tuple(chain), chains)
+            return self.valid(False, item, where, "{site, old_mib, new_mib[, called_from, chains, kept_alive_by]}",
+                              None)
+        chain, chains, kept = item.get("called_from") or [], item.get("chains", 1), item.get("kept_alive_by", "")
+        if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain) and _is_int(chains, 1)
+                and isinstance(kept, str)):
+            return self.valid(False, item, where, "called_from: a list of strings, chains: an integer >= 1, "
+                              "kept_alive_by: a string", None)
+        return SiteChange(item["site"], float(item["old_mib"]), float(item["new_mib"]), tuple(chain), chains, kept)
 
     def limits(self, raw: Any, where: str) -> dict[str, Any]:
         """The marker's limits as marker arguments; null where the report names none (its default)."""

@@ -21,7 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from ..sampling import MiB
-from ..sampling.sites import Site, group, thin
+from ..sampling.holders import PeakWatch
+from ..sampling.sites import Site, group, thin, with_holders
 from ..sampling.torch_history import replay
 from .imports import after_import
 
@@ -30,6 +31,7 @@ from .imports import after_import
 __tracebackhide__ = True
 
 HISTORY_ENTRIES = 200_000  # events kept (a ring): enough for the peak of a few training steps
+HOLDER_MIN_BYTES = 1 << 20  # storages smaller than this are not walked to: a site's noise (sites.MIN_SITE_MIB)
 
 
 class TorchAllocator:
@@ -43,6 +45,7 @@ class TorchAllocator:
         self._held: dict[int, tuple[int, int]] = {}  # device -> (allocated, reserved) peaks before a job's reset
         self._figures: dict[str, Any] | None = None  # read where the body ended (body mode)
         self._until_s: float | None = None  # when it ended: later history is not the body's
+        self.watch: PeakWatch | None = None  # what keeps the peak's storages alive (a fake GPU's)
 
     # -- arming -------------------------------------------------------------------------------------
 
@@ -90,6 +93,25 @@ class TorchAllocator:
             self.recording = True
         except Exception as exc:  # noqa: BLE001
             self.problems.append(f"torch allocator history did not start ({exc!r})")
+            return
+        self._watch_holders(torch)
+
+    def _watch_holders(self, torch: ModuleType) -> None:
+        """On a fake GPU, whose allocator tells each new peak: walk to what keeps the storages alive
+        (``sampling.holders``), so that a site names the variable that holds it."""
+        from .fakegpu import active
+
+        allocator = active.get("allocator")
+        if allocator is None:
+            return
+
+        def key_of(value: Any) -> int | None:  # the fake allocator's key of a CUDA tensor's storage
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                return int(value.untyped_storage()._cdata)  # noqa: SLF001
+            return None
+
+        self.watch = PeakWatch(HOLDER_MIN_BYTES, allocator.live, key_of, self.root)
+        allocator.on_peak = self.watch.grew
 
     # -- the body -----------------------------------------------------------------------------------
 
@@ -155,6 +177,8 @@ class TorchAllocator:
         except Exception as exc:  # noqa: BLE001
             return {"sites_problem": f"torch allocator snapshot failed ({exc!r})"}
         blocks: list[tuple[Any, int, int, str]] = []
+        held: list[tuple[Any, int, str]] = []
+        holders = self.watch.holders if self.watch is not None else {}
         timeline: list[tuple[float, float]] = []
         peak_mib = 0.0
         until = self._until_s if _epoch_times(snapshot) else None  # else no clock to cut at the body's end
@@ -162,8 +186,10 @@ class TorchAllocator:
             found = replay(snapshot, device, until_s=until)
             peak_mib += found.peak_bytes / MiB
             blocks.extend((stack, size, 1, "") for stack, size in found.blocks)
+            held.extend((stack, size, holders[address].label())
+                        for (stack, size), address in zip(found.blocks, found.addresses) if address in holders)
             timeline.extend(found.timeline)
-        sites: list[Site] = group(blocks, self.root)
+        sites: list[Site] = with_holders(group(blocks, self.root), held, self.root)
         out: dict[str, Any] = {"sites": [s.as_dict() for s in sites], "timeline": thin(sorted(timeline), 2000)}
         # The history's window is a ring: when it no longer reaches back to the peak, say so.
         if peak_mib < allocated_mib * 0.98 - 1.0:

@@ -60,6 +60,9 @@ class Site:
     # of the chain that holds most of the site's bytes, and how many distinct chains were summed into it.
     callers: tuple[str, ...] = field(default=(), compare=False)
     chains: int = field(default=1, compare=False)
+    # Shown, never compared: what keeps the site's bytes alive at the peak (``holders``), largest first:
+    # ("train.py:63 (list 'kept', append)", MiB, storages).
+    held_by: tuple[tuple[str, float, int], ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -86,7 +89,17 @@ class Site:
         if self.callers:
             out["called_from"] = list(self.callers)
             out["chains"] = self.chains
+        if self.held_by:
+            out["held_by"] = [{"by": by, "mib": round(mib, 3), "count": n} for by, mib, n in self.held_by]
         return out
+
+    def kept_alive_by(self) -> str:
+        """``train.py:63 (list 'kept', append; 4 tensors)``: the largest holder of the site's bytes, or ``""``."""
+        if not self.held_by:
+            return ""
+        by, _, count = self.held_by[0]
+        many = f"{count} tensor{'s' if count != 1 else ''}"
+        return f"{by[:-1]}; {many})" if by.endswith(")") else f"{by} ({many})"
 
 
 @lru_cache(maxsize=1)
@@ -208,6 +221,25 @@ def group(allocations: Iterable[tuple[Sequence[Frame] | None, int, int, str]], r
     return users + [s for s in ranked if s.internal]
 
 
+def with_holders(sites: Sequence[Site], blocks: Iterable[tuple[Sequence[Frame], int, str]],
+                 root: Path | None = None) -> list[Site]:
+    """``sites`` with what keeps their bytes alive: ``(stack, bytes, holder)`` per block live at the
+    peak whose holder is known (``holders.Holder.label``), summed per site and holder."""
+    held: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    for stack, nbytes, holder in blocks:
+        tally = held.setdefault(fold(stack, root).key, {}).setdefault(holder, [0.0, 0])
+        tally[0] += nbytes / MiB
+        tally[1] += 1
+    out = []
+    for site in sites:
+        by_holder = held.get(site.key)
+        if by_holder:
+            ranked = sorted(by_holder.items(), key=lambda item: (-item[1][0], item[0]))[:3]
+            site = replace(site, held_by=tuple((by, mib, int(n)) for by, (mib, n) in ranked))
+        out.append(site)
+    return out
+
+
 def from_dicts(raw: Iterable[Mapping[str, Any]]) -> list[Site]:
     """Sites back from JSON (a rank's exit report, a record, a baseline); bad items are skipped."""
     out = []
@@ -217,7 +249,9 @@ def from_dicts(raw: Iterable[Mapping[str, Any]]) -> list[Site]:
             out.append(Site(str(item["where"]), str(item.get("function", "")), str(item.get("detail", "")),
                             float(item["mib"]), int(item.get("count", 1)), bool(item.get("internal", False)),
                             tuple(str(c) for c in chain) if isinstance(chain, (list, tuple)) else (),
-                            int(item.get("chains", 1))))
+                            int(item.get("chains", 1)),
+                            tuple((str(h["by"]), float(h["mib"]), int(h.get("count", 1)))
+                                  for h in item.get("held_by") or () if isinstance(h, Mapping))))
         except (KeyError, TypeError, ValueError):
             continue
     return out

@@ -32,6 +32,7 @@ class Replay:
     peak_time_s: float | None  # seconds since the epoch, when known
     timeline: tuple[tuple[float, float], ...] = field(default=())  # (epoch seconds, MiB live)
     window_events: int = 0
+    addresses: tuple[int, ...] = ()  # each block's address, in the order of ``blocks``
 
 
 def frames_of(raw: Any) -> tuple[Frame, ...]:
@@ -109,7 +110,7 @@ def replay(snapshot: Mapping[str, Any], device: int = 0, until_s: float | None =
             timeline.append((seconds, running / MiB))
     peak_time = _seconds(events[best_at - 1]) if 0 < best_at <= len(events) else None
     grouped = tuple((frames, size) for size, frames in blocks.values())
-    return Replay(max(best, 0), grouped, peak_time, tuple(timeline), len(events))
+    return Replay(max(best, 0), grouped, peak_time, tuple(timeline), len(events), tuple(blocks))
 
 
 def _seconds(event: Mapping[str, Any]) -> float | None:

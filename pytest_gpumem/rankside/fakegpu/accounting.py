@@ -19,7 +19,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
 # (`--fulltrace` shows them): an error it raises is shown at the user's call.
@@ -62,6 +62,7 @@ class FakeAllocator:
         self._lock = threading.Lock()
         self._next_addr = 1 << 40
         self.history: list[dict[str, Any]] | None = None  # events, once history is on
+        self.on_peak: Callable[[int], None] | None = None  # told each new peak's bytes (sampling.holders)
 
     # -- the job's storages -------------------------------------------------------------------------
 
@@ -76,6 +77,7 @@ class FakeAllocator:
             self._blocks[key] = _Block(device, size, self._frames())
             self._grow(device, size, key)
         weakref.finalize(storage, self._free, key)
+        self._tell_peak(device)
 
     def resized(self, storage: Any) -> None:
         """A tracked storage whose size changed in place (``resize_``: FSDP frees and regrows its
@@ -91,6 +93,17 @@ class FakeAllocator:
             self._shrink(block.device, block.size, key, block.frames)
             block.size, block.frames = size, self._frames()
             self._grow(block.device, size, key)
+        self._tell_peak(block.device)
+
+    def live(self) -> dict[int, int]:
+        """``{storage key: bytes}`` of the job's storages live now (keys as ``track`` makes them)."""
+        with self._lock:
+            return {key: block.size for key, block in self._blocks.items()}
+
+    def _tell_peak(self, device: int) -> None:
+        """A storage that reaches a new peak is in place (outside the lock): the watcher may walk to it."""
+        if self.on_peak is not None and self.current.get(device, 0) >= self.peak.get(device, 0):
+            self.on_peak(sum(self.current.values()))
 
     def _free(self, key: int) -> None:
         with self._lock:
