@@ -24,6 +24,7 @@ from . import failures
 from .gpus import GpuPlan
 from .launched import SizeRun
 from .launchers import Launcher
+from .missing_figures import missing_host_figures
 from .rank_setup import nccl_defaults_note
 from .supervise import LaunchResult
 
@@ -35,6 +36,7 @@ class Reading:
     in_rank_gpu: bool  # each rank sampled its own GPU: its figure is in its exit report
     untracked_host: bool  # track_host=auto left host allocations untracked: a GPU figure was expected
     context: failures.LaunchContext  # what the failure text needs besides the launch
+    tracked_host: bool = False  # the ranks were asked to track host allocations: a host figure must be theirs
 
 
 def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, host: HostSampler, plan: GpuPlan,
@@ -123,6 +125,8 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
     for report in reports.values():
         run.startup_files.update(report.startup_files)
     run.problems = failures.problems(run.launch, run.outcomes, reading.context)
+    if reading.tracked_host and not use_gpu:  # never gated on VmHWM for a rank that ended well
+        run.problems += missing_host_figures(nproc, workdir, launch, run.outcomes, reports, host_peaks)
     return run
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..config.env_names import STARTUP_ENV
+from ..config.env_names import STARTUP_ENV, TRACK_ENV
 from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..config.spec import Spec
 from ..rankside import protocol
@@ -23,6 +23,7 @@ from . import failures
 from .gpus import GpuPlan
 from .launched import SizeRun
 from .launchers import Launcher, LauncherOptions, launcher
+from .missing_figures import tracking_asked
 from .rank_reading import Reading, read_size_run
 from .rank_setup import RankSetup
 from .supervise import LaunchRequest, LaunchResult
@@ -184,6 +185,7 @@ class SizeLaunch:
         reading = Reading(
             in_rank_gpu=self.setup.in_rank_gpu(chosen, plan),
             untracked_host=self.setup.track_host == "auto" and not self.setup.tracks_host(spec, plan),
+            tracked_host=tracking_asked(env, TRACK_ENV),
             context=failures.LaunchContext(launcher=chosen, marker_env=dict(spec.env), cwd=self.cwd, workdir=workdir,
                                            timeout=spec.timeout, body_mode=spec.body_mode,
                                            fail_fast_grace=self.fail_fast_grace,
