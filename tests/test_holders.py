@@ -86,8 +86,8 @@ def test_the_largest_holder_of_a_site_reads_first_and_a_growth_line_names_it_bef
 def test_a_walk_is_taken_as_the_peak_grows_by_a_step_and_within_its_share_of_the_time():
     live = {1: 4 << 20}
     watch = holders.PeakWatch(1 << 20, lambda: live, lambda value: None)
-    watch.grew(100)
-    watch.grew(102)  # under the step: no walk
+    watch.grew(1000)
+    watch.grew(1005)  # under the step: no walk
     assert watch.walks == 1
     watch.spent_s = 1e9  # over its share of the time: no walk however far the peak moves
     watch.grew(10_000)
@@ -141,21 +141,42 @@ def test_fsdp2():
     fully_shard(model)
     steps(model, os.environ.get("KEEP") == "1")
     dist.destroy_process_group()
+
+
+@pytest.mark.gpumem(nproc=2, device="gpu", fake_gpu="on")
+def test_reshard():
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).to(device)
+    for layer in model:
+        fully_shard(layer, reshard_after_forward=os.environ.get("KEEP") != "1")
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        model(torch.randn(64, 2048, device=device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
 '''
 
 
 @pytest.mark.slow
 @pytest.mark.torch
-def test_the_keep_logits_twins_fail_naming_the_append_then_the_allocation(pytester, monkeypatch):
+def test_the_keep_logits_twins_fail_naming_the_append_and_a_kept_unsharded_fsdp_names_its_setting(pytester,
+                                                                                                 monkeypatch):
     path = pytester.makepyfile(test_keep=textwrap.dedent(KEEP_JOB))
     job = path.read_text()
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.setenv("KEEP", "0")
     pytester.runpytest_subprocess("--gpumem", "--gpumem-refresh", "-p", "no:cacheprovider",
-                                  timeout=600).assert_outcomes(passed=2)
+                                  timeout=600).assert_outcomes(passed=3)
     monkeypatch.setenv("KEEP", "1")
     result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider", timeout=600)
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(failed=3)
     text = result.stdout.str()
     # 4 steps' logits of 256 x 16384 fp32, 16 MiB each: beyond the allocator's tolerance (max(0.5%, 16 MiB))
     append, forward = line_of(job, "kept.append("), line_of(job, "logits = model(x)")
@@ -165,3 +186,6 @@ def test_the_keep_logits_twins_fail_naming_the_append_then_the_allocation(pytest
         wanted = (rf"\+\d+\.\d MiB  kept alive by test_keep.py:{append} \(list 'kept', append; [2-4] tensors\), "
                   rf"allocated at test_keep.py:{forward} steps \(forward\)")  # the list's length at the walk
         assert re.fullmatch(wanted, first), block[:3000]
+    # reshard_after_forward=False: six 16 MiB layers' unsharded parameters live together after forward
+    block = text[text.index("_ test_reshard _"):]
+    assert "kept alive by FSDP2's unsharded parameters kept after forward (reshard_after_forward=False on '0'" in block, block[:3000]

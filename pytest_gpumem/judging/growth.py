@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ..results.size import SizeResult
-from ..sampling.sites import NATIVE, Site, from_dicts
+from ..sampling.sites import INTERNALS, NATIVE, Site, from_dicts
 from .baseline import Entry
 from .record import SiteChange
 from .verdict import Verdict
@@ -36,6 +36,7 @@ class Growth:
     internal_mib: float = 0.0  # change of the framework's own Python code
     native_mib: float = 0.0  # change of allocations with no Python stack (a framework's worker threads)
     of: str = ""  # whose sites, where not the gated rank's: "rank 3" (rank="all", against its own baseline)
+    internals_kept: str = ""  # what keeps the framework internals' largest share alive (Site.kept_alive_by)
 
     def summary(self) -> str:
         """``3 smaller sites +2.1 MiB; 2 sites shrank by 12.0 MiB; framework internals +4.1 MiB``."""
@@ -45,7 +46,8 @@ class Growth:
         if self.shrunk:
             parts.append(f"{self.shrunk} site{'s' if self.shrunk > 1 else ''} shrank by {-self.shrunk_mib:.1f} MiB")
         if abs(self.internal_mib) >= 0.05:
-            parts.append(f"framework internals and allocations under 4 KiB {self.internal_mib:+.1f} MiB")
+            kept = f", kept alive by {self.internals_kept}" if self.internals_kept and self.internal_mib > 0 else ""
+            parts.append(f"framework internals and allocations under 4 KiB {self.internal_mib:+.1f} MiB{kept}")
         if abs(self.native_mib) >= 0.05:
             parts.append(f"native code {self.native_mib:+.1f} MiB (no Python stack: allocated on a framework's "
                          "own threads, e.g. gloo's or OneFlow's VM workers)")
@@ -95,8 +97,10 @@ def site_growth(old: Sequence[Site], new: Sequence[Site], against: str, old_comp
         return sum(s.mib for s in sites if s.internal and (s.where == NATIVE) == native)
 
     grown.sort(key=lambda c: (-c.growth, c.label))
+    internals_kept = next((s.kept_alive_by() for s in new if s.where == INTERNALS and s.held_by), "")
     return Growth(against, tuple(grown), unlisted_mib, unlisted, shrunk_mib, shrunk,
-                  total(new, False) - total(old, False), total(new, True) - total(old, True))
+                  total(new, False) - total(old, False), total(new, True) - total(old, True),
+                  internals_kept=internals_kept)
 
 
 def _unlined(site: Site) -> tuple[str, str, str]:

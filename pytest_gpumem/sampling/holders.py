@@ -31,7 +31,8 @@ from .sites import is_internal, short_path
 DEPTH = 3  # containers below a variable: kept[i], self.cache[k][j]
 MAX_VISITS = 50_000  # objects visited in one walk, at most
 STEP = 1.01  # a new walk once the peak is this much above the last walk's
-SHARE = 0.10  # of the job's time, at most, spent walking
+SHARE = 0.10  # of the job's time, at most, spent walking, beyond ALLOWANCE_S
+ALLOWANCE_S = 1.0  # walking time any job may spend (a short job's peak is walked to as a long one's)
 STORING = ("append", "extend", "insert", "add", "update", "setdefault", "appendleft", "put")
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), type)
 
@@ -59,14 +60,41 @@ def walk(keys: set[int], key_of: Callable[[Any], int | None], root: Any = None,
     ``sys.modules``; ``root``: the rootdir, for short paths)."""
     found: dict[int, Holder] = {}
     reach = _Reach(key_of)
+    fsdp: dict[int, Any] = {}  # FSDP2 modules the user's variables name: their own holdings
     for kind, name, value, context in _roots(frames, modules):
+        if hasattr(value, "_get_fsdp_state"):
+            fsdp[id(value)] = value
         for tensor in reach.tensors(value):
             key = key_of(tensor)
             if key is not None and key in keys and key not in found:
                 found[key] = _holder(kind, name, value, context, root, key_of)
+    for key, holder in _fsdp_unsharded(keys - set(found), key_of, fsdp.values()).items():
+        found.setdefault(key, holder)
     for key, holder in _saved_for_backward(keys - set(found), key_of, reach.graphs).items():
         found.setdefault(key, holder)
     return found
+
+
+def _fsdp_unsharded(keys: set[int], key_of: Callable[[Any], int | None], models: Any) -> dict[int, Holder]:
+    """The storages of ``keys`` that FSDP2 keeps unsharded after forward, named by the setting that keeps
+    them (``reshard_after_forward=False``, the root's default) and the modules it is set on."""
+    kept: dict[int, str] = {}  # storage key -> the module's name ("" for the root)
+    for model in models:
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None  # noqa: SLF001
+            for group in getattr(state, "_fsdp_param_groups", None) or ():
+                if getattr(group, "post_forward_mesh_info", True) is not None:
+                    continue  # resharded after forward: not kept
+                for param in group.fsdp_params:
+                    for tensor in [getattr(param, "_unsharded_param", None), *getattr(param, "all_gather_outputs", ())]:
+                        key = key_of(tensor) if tensor is not None else None
+                        if key is not None and key in keys:
+                            kept.setdefault(key, getattr(group, "_module_fqn", ""))
+    names = sorted({name or "the root" for name in kept.values()})
+    shown = ", ".join(f"'{n}'" if n != "the root" else n for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    why = Holder(f"FSDP2's unsharded parameters kept after forward (reshard_after_forward=False on {shown})",
+                 framework=True)
+    return {key: why for key in kept}
 
 
 def _roots(frames: Mapping[int, Any] | None, modules: Mapping[str, Any] | None) -> Iterator[tuple[str, str, Any, Any]]:
@@ -84,7 +112,7 @@ def _roots(frames: Mapping[int, Any] | None, modules: Mapping[str, Any] | None) 
         frame = top
         while frame is not None:
             if not is_internal(frame.f_code.co_filename):
-                for name, value in list(frame.f_locals.items()):
+                for name, value in _locals(frame):
                     yield from named("local", name, value, frame)
             frame = frame.f_back
     for module in list((modules if modules is not None else sys.modules).values()):
@@ -93,6 +121,16 @@ def _roots(frames: Mapping[int, Any] | None, modules: Mapping[str, Any] | None) 
             for name, value in list(vars(module).items()):
                 if not name.startswith("__") and not inspect.ismodule(value):
                     yield from named("global", name, value, module)
+
+
+def _locals(frame: Any) -> list[tuple[str, Any]]:
+    """A frame's locals, leaving no copy behind: before Python 3.13 ``f_locals`` of a function's frame
+    is a snapshot stored on the frame, which kept a tensor the function had since dropped alive (a
+    peak 1 GiB above the GPU's on a job that rebinds its activations)."""
+    names = list(frame.f_locals.items())
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        frame.f_locals.clear()  # rebuilt whole at the next read: nothing of the user's is lost
+    return names
 
 
 def _is_users(value: Any) -> bool:
@@ -149,7 +187,7 @@ def _holder(kind: str, name: str, value: Any, context: Any, root: Any,
     if code is not None:
         (line, how), filename = _storing_line(code, name), code.co_filename
     if not line and dotted and code is not None:  # self.cache.append(...) in another method of self's class
-        owner = context.f_locals.get(name.split(".", 1)[0])
+        owner = dict(_locals(context)).get(name.split(".", 1)[0])
         if owner is not None:
             try:
                 inside = "self." + name.split(".", 1)[1]  # as the class's methods name it
@@ -249,7 +287,7 @@ class PeakWatch:
         """The live bytes rose to ``current``, a new peak."""
         if self._busy or current < self.walked_at * STEP:
             return
-        if self.spent_s > SHARE * (time.perf_counter() - self._began):
+        if self.spent_s > ALLOWANCE_S + SHARE * (time.perf_counter() - self._began):
             return
         self._busy = True
         started = time.perf_counter()

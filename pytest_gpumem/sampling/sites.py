@@ -32,6 +32,7 @@ from . import MiB
 
 Frame = tuple[str, str, int]  # (function, filename, line), as memray gives them
 NATIVE = "native"  # ``where`` of a site whose allocations had no Python frame at all
+INTERNALS = "(framework internals)"  # ``where`` of the sum of the sites with no user frame
 SMALL = "(small allocations)"  # ``where`` of the records under SMALL_RECORD bytes, summed unresolved
 SMALL_RECORD = 4096  # a capture's records below this are not resolved to a stack: 90% of them, ~5% of the bytes
 TOP_SITES = 12  # kept per rank in a report; a baseline keeps fewer (judging.sites.STORED)
@@ -204,7 +205,7 @@ def group(allocations: Iterable[tuple[Sequence[Frame] | None, int, int, str]], r
     for stack, nbytes, count, thread in allocations:
         site = fold(stack, root, thread) if stack is not None else Site(SMALL, "", "", internal=True)
         if site.internal and site.where != SMALL:  # one line for all of the framework's own, one for native code
-            site = Site(NATIVE if site.where == NATIVE else "(framework internals)", "", "", internal=True)
+            site = Site(NATIVE if site.where == NATIVE else INTERNALS, "", "", internal=True)
         old = sites.get(site.key)
         mib, n = nbytes / MiB, count
         if old is not None:
@@ -227,7 +228,9 @@ def with_holders(sites: Sequence[Site], blocks: Iterable[tuple[Sequence[Frame], 
     peak whose holder is known (``holders.Holder.label``), summed per site and holder."""
     held: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for stack, nbytes, holder in blocks:
-        tally = held.setdefault(fold(stack, root).key, {}).setdefault(holder, [0.0, 0])
+        site = fold(stack, root)
+        key = (NATIVE if site.where == NATIVE else INTERNALS, "", "") if site.internal else site.key  # as group()
+        tally = held.setdefault(key, {}).setdefault(holder, [0.0, 0])
         tally[0] += nbytes / MiB
         tally[1] += 1
     out = []
