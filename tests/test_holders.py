@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import weakref
 
 import pytest
 
@@ -68,6 +69,14 @@ def test_a_storage_nothing_of_the_users_holds_is_not_named():
     assert holders.walk({key}, key_of)[key].what == "local 'holder'"
     del holder
     assert holders.walk({key}, key_of) == {}
+
+
+def test_a_walk_leaves_nothing_alive_that_the_job_dropped():
+    tensor = torch.randn(8, 8)
+    key, gone = key_of(tensor), weakref.ref(tensor)
+    assert holders.walk({key}, key_of)[key].what == "local 'tensor'"
+    tensor = None  # a frame's f_locals snapshot (Python < 3.13) kept it alive: a fake-GPU peak 1 GiB high
+    assert gone() is None
 
 
 def test_the_largest_holder_of_a_site_reads_first_and_a_growth_line_names_it_before_the_allocation():
