@@ -175,6 +175,8 @@ _FILLERS_BY_CONTRACT = {
     "rankside/fakegpu/dispatch.py:_compile_runs_eagerly", "rankside/fakegpu/dispatch.py:fake_call",
     "rankside/fakegpu/dispatch.py:fakes_replaced", "rankside/gpu_allocator.py:_hold_peaks_across_resets",
     "oneflow/rendezvous.py:exec_and_wrap", "oneflow/eager.py:wrap_to_global",
+    # drops the snapshot of a frame's locals it read, which kept the user's dropped tensors alive
+    "sampling/holders.py:_locals",
 }
 _MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "remove", "clear",
              "discard", "popitem", "sort", "reverse"}
