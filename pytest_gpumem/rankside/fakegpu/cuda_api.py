@@ -181,13 +181,21 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         index = _index(device)
         if not 0 <= index < DEVICES:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index} (a fake GPU node has {DEVICES} GPUs)")
-        _current["device"] = index
+        current(index)
         initialise()
+
+    def current(index: int) -> None:
+        """The current device, here and in c10's device guard: a tensor moved with ``.cuda()`` (no index)
+        goes where the guard says, and went to cuda:0 on rank 1 (DDP's bucket and its grad then differed)."""
+        _current["device"] = index
+        setter = getattr(torch._C, "_accelerator_setDeviceIndex", None)  # noqa: SLF001 - c10's guard
+        if setter is not None and torch.version.cuda is None:  # the shim's fake guard (a CUDA build's is real)
+            setter(index)
 
     def exchange(device: int) -> int:
         before = _current["device"]
         if device >= 0:
-            _current["device"] = device
+            current(device)
         return before
 
     class device:  # noqa: N801 - torch.cuda.device
