@@ -19,6 +19,7 @@ from typing import Mapping
 
 MiB = 2**20
 LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the 20 MiB segment of a 1-10 MiB request, the oversize rounding
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: large_segment_size_mb must exceed it
 UNLIMITED = 2**64 - 1  # max_split_size unset: every block may be split
 INTERVALS = 16  # roundup_power2_divisions: one entry per power of two from 1 MiB to 64 GiB
 VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads the first one set
@@ -90,9 +91,10 @@ def _value(variable: str, key: str, raw: object) -> tuple[str, object]:
     """(the field of ``AllocConf``, its value), or ('', None) for a key that moves no reserved byte."""
     where = f"{variable}: {key}"
     if key in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb"):
-        mib = _whole(where, raw, "a whole number of MiB >= 20")
-        if key != "large_segment_size_mb" and mib < LARGE_BUFFER // MiB:
-            raise AllocConfError(f"{where} must be >= {LARGE_BUFFER // MiB} (MiB), got {mib}")
+        large = key == "large_segment_size_mb"  # torch: over kMinLargeAlloc (10 MiB); the others >= 20 MiB
+        mib = _whole(where, raw, "a whole number of MiB " + ("> 10" if large else ">= 20"))
+        if (large and mib <= MIN_LARGE_ALLOC // MiB) or (not large and mib < LARGE_BUFFER // MiB):
+            raise AllocConfError(f"{where} must be {'> 10' if large else '>= 20'} (MiB), got {mib}")
         return {"max_split_size_mb": "max_split_size", "max_non_split_rounding_mb": "max_non_split_rounding",
                 "large_segment_size_mb": "large_segment_size"}[key], min(mib * MiB, UNLIMITED)
     if key == "roundup_power2_divisions":
