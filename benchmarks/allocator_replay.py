@@ -11,7 +11,8 @@ the start (``torch.cuda.memory._record_memory_history``, no stacks), and keeps o
 job ends within ``--budget`` seconds (one cut there, or not started, is an error row). ``--replay``
 replays each history with the job's settings and compares the reserved peaks; "alloc-as-res" is what a
 fake GPU reported before (its allocated peak taken for reserved); "traced" is the reserved peak the
-history's own segment events give.
+history's own segment events give; a row whose replay reserves otherwise than the GPU did names the
+first allocation where it does.
 """
 
 from __future__ import annotations
@@ -194,7 +195,12 @@ def replay(path: Path) -> str:
     """The table: per job, the GPU's peaks, the replay's, and how far the replay's reserved peak is."""
     sys.path.insert(0, str(ROOT))
     from pytest_gpumem.sampling.alloc_conf import parse_alloc_conf
-    from pytest_gpumem.sampling.caching_allocator import replay_allocator, trace_events, traced_reserved_peak
+    from pytest_gpumem.sampling.caching_allocator import (
+        first_divergence,
+        replay_allocator,
+        trace_events,
+        traced_reserved_peak,
+    )
 
     with gzip.open(path, "rt") as handle:
         results = json.load(handle)
@@ -209,14 +215,15 @@ def replay(path: Path) -> str:
             continue
         snapshot = {"device_traces": [[{"action": ACTIONS[a], "addr": addr, "size": size, "stream": stream}
                                        for a, addr, size, stream in result["events"]]]}
-        figures = replay_allocator(trace_events(snapshot), parse_alloc_conf(result["conf"]) if result["conf"]
-                                   else None)
+        conf = parse_alloc_conf(result["conf"]) if result["conf"] else None
+        figures, diverges = replay_allocator(trace_events(snapshot), conf), first_divergence(snapshot, conf)
         real, err = result["max_reserved"], 100 * (figures.reserved_peak - result["max_reserved"]) / \
             result["max_reserved"]
         replayed, within = replayed + 1, within + (abs(err) <= 2.0)
         notes = ("" if figures.allocated_peak == result["max_allocated"] else
                  f"  (replayed allocated {figures.allocated_peak / MiB:.1f})") + \
-            ("  (history wrapped: its start is lost)" if result.get("wrapped") else "")
+            ("  (history wrapped: its start is lost)" if result.get("wrapped") else "") + \
+            (f"  (first divergence: {diverges})" if diverges else "")
         rows.append(f"{name:24} {result['max_allocated'] / MiB:10.1f} {real / MiB:10.1f} "
                     f"{traced_reserved_peak(snapshot) / MiB:10.1f} {figures.reserved_peak / MiB:10.1f} "
                     f"{err:+7.2f} {100 * (result['max_allocated'] - real) / real:+14.2f} "

@@ -40,7 +40,8 @@ def test_replay_reads_each_job_and_compares_its_reserved_peak(tmp_path: Path):
 
     expandable = [[ACTIONS.index("segment_map"), 1 << 30, 20 * MiB, 0], [0, 1 << 30, 9 * MiB, 0],
                   [0, (1 << 30) + 9 * MiB, 9 * MiB, 0]]  # two 9 MiB blocks in one 20 MiB page
-    traces = {"plain": job(36 * MiB), "claims_more": job(45 * MiB),
+    diverging = [event for event in _history() if event[1:3] != [2 << 30, 16 * MiB]]  # no segment for 15 MiB
+    traces = {"plain": job(36 * MiB), "claims_more": job(45 * MiB), "diverging": job(36 * MiB, "", diverging),
               "expandable": job(20 * MiB, "expandable_segments:True", expandable),
               "cut": {"error": "timed out after 150 s"}}
     path = tmp_path / "traces.json.gz"
@@ -52,11 +53,16 @@ def test_replay_reads_each_job_and_compares_its_reserved_peak(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert out.read_text() == done.stdout
     head, *rows = done.stdout.splitlines()
-    assert head.startswith("torch 2.11.0 on NVIDIA H100") and "2 of 3 replayed jobs within 2%" in head
+    assert head.startswith("torch 2.11.0 on NVIDIA H100") and "3 of 4 replayed jobs within 2%" in head
     table = {row.split()[0]: row.split() for row in rows[1:]}
     # job, alloc, reserved, traced, replay, err %, alloc-as-res %, frag %, events, settings
     assert table["plain"][1:10] == ["22.0", "36.0", "36.0", "36.0", "+0.00", "-38.89", "38.9", "15", "-"]
     assert table["claims_more"][4:6] == ["36.0", "-20.00"]
+    assert "first divergence" not in done.stdout.split("\ndiverging")[0]
+    assert table["diverging"][3:6] == ["20.0", "36.0", "+0.00"]  # the replay's segment, not in the history
+    assert table["diverging"][10:] == ["(first", "divergence:", "allocation", "3", "of", "4", "(15728640",
+                                       "bytes,", "stream", "7):", "the", "GPU", "had", "20971520", "bytes",
+                                       "reserved,", "the", "replay", "37748736)"]
     assert table["expandable"][2:6] == ["20.0", "20.0", "20.0", "+0.00"]
     assert table["expandable"][9] == "expandable_segments:True"
     assert rows[-1].split(None, 1) == ["cut", "error: timed out after 150 s"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .alloc_conf import UNLIMITED, AllocConf
 
@@ -505,6 +505,13 @@ def replay_allocator(events: Iterable[Event], conf: AllocConf | None = None, cap
     ``free`` (and ``complete``, for a block freed while another stream used it); where no ``complete``
     comes, ``settle_at_malloc`` completes such a block's events at the next allocation."""
     allocator = CachingAllocator(conf, capacity, settle_at_malloc=settle_at_malloc)
+    for _ in _replayed(allocator, events):
+        pass
+    return allocator.figures()
+
+
+def _replayed(allocator: CachingAllocator, events: Iterable[Event]) -> Iterator[str]:
+    """Drives ``allocator`` through ``events``, yielding each event's action once it is done."""
     ids: dict[int, int] = {}
     waiting: dict[int, int] = {}
     for action, handle, size, stream in events:
@@ -523,7 +530,35 @@ def replay_allocator(events: Iterable[Event], conf: AllocConf | None = None, cap
             allocator.empty_cache()
         elif action == "reset_peak":
             allocator.reset_peak()
-    return allocator.figures()
+        yield action
+
+
+def first_divergence(snapshot: dict, conf: AllocConf | None = None, device: int = 0) -> str | None:
+    """Where a replay of a ``torch.cuda.memory._snapshot()`` history first reserves otherwise than the GPU
+    did (its own segment events say what it reserved by each allocation); None where never. Where the
+    replay is off, this names the allocation to look at."""
+    traced, reserved = [], 0
+    requests: list[tuple[int, int]] = []
+    for event in (snapshot.get("device_traces") or [[]])[device]:
+        action = event.get("action")
+        if action in ("segment_alloc", "segment_map"):
+            reserved += int(event["size"])
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= int(event["size"])
+        elif action == "alloc":
+            traced.append(reserved)
+            requests.append((int(event["size"]), int(event.get("stream") or 0)))
+    allocator = CachingAllocator(conf, settle_at_malloc=False)
+    done = 0
+    for action in _replayed(allocator, trace_events(snapshot, device)):
+        if action != "alloc":
+            continue
+        if allocator.heap.reserved != traced[done]:
+            size, stream = requests[done]
+            return (f"allocation {done + 1} of {len(traced)} ({size} bytes, stream {stream}): the GPU had "
+                    f"{traced[done]} bytes reserved, the replay {allocator.heap.reserved}")
+        done += 1
+    return None
 
 
 def trace_events(snapshot: dict, device: int = 0) -> list[tuple[str, int, int, int]]:

@@ -14,6 +14,7 @@ from pytest_gpumem.sampling.alloc_conf import AllocConf, AllocConfError, alloc_c
 from pytest_gpumem.sampling.caching_allocator import (
     AllocatorOutOfMemory,
     CachingAllocator,
+    first_divergence,
     replay_allocator,
     round_size,
     trace_events,
@@ -351,6 +352,20 @@ def test_a_torch_history_replays_to_its_own_segments():
     figures = replay_allocator(trace_events(snapshot))
     assert figures.reserved_peak == traced_reserved_peak(snapshot) == 24 * MiB
     assert figures.allocated_peak == 12 * MiB
+    assert first_divergence(snapshot) is None
+
+
+def test_the_first_allocation_a_replay_reserves_otherwise_is_named():
+    """A history where the GPU gave a 12 MiB request a segment of its own though 14 MiB were left of a
+    20 MiB segment: torch's ``get_free_block`` would have split those, so the replay diverges there."""
+    def event(action: str, addr: int, size: int) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    history = [event("segment_alloc", 0, 20 * MiB), event("alloc", 0, 3 * MiB), event("alloc", 3 * MiB, 3 * MiB),
+               event("segment_alloc", 1 << 30, 12 * MiB), event("alloc", 1 << 30, 12 * MiB)]
+    assert first_divergence({"device_traces": [history]}) == (
+        f"allocation 3 of 3 ({12 * MiB} bytes, stream 0): the GPU had {32 * MiB} bytes reserved, "
+        f"the replay {20 * MiB}")
 
 
 def test_the_settings_parse_as_torch_parses_them():
