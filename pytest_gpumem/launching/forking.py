@@ -111,7 +111,7 @@ def startup_env_changes(rank_env: Mapping[str, str], initial: Path = Path("/proc
         started.update({k: v for k, v in os.environ.items() if k.startswith(_LOADED_LATER)})
     changed = []
     for key in sorted(set(rank_env) | set(started)):
-        if not key.startswith(_STARTUP_ENV) or key.startswith(_LATE_ENV):
+        if not read_at_startup(key):
             continue
         want, had = rank_env.get(key), started.get(key)
         if key == "PYTHONPATH" and want is not None:
@@ -221,13 +221,23 @@ def forget_project_modules(rootdir: str | None) -> list[str]:
         if not path or name == "__main__":
             continue
         real = os.path.realpath(path)
-        if real.startswith(root) and not real.startswith(own) and not _INSTALLED.intersection(real.split(os.sep)):
+        if real.startswith(root) and not real.startswith(own) and not installed(real):
             del sys.modules[name]
             dropped.append(name)
     return dropped
 
 
 _INSTALLED = frozenset(("site-packages", "dist-packages"))
+
+
+def installed(path: str) -> bool:
+    """Whether a module's file is an installed package's (a framework's, kept imported in a fork)."""
+    return bool(_INSTALLED.intersection(path.split(os.sep)))
+
+
+def read_at_startup(name: str) -> bool:
+    """Whether a variable is read as an interpreter or a library starts (a fork keeps its value)."""
+    return name.startswith(_STARTUP_ENV) and not name.startswith(_LATE_ENV)
 _TORCH_DEFAULT_SEED = 67280421310721  # c10's default_rng_seed_val: a fresh interpreter's CPU generator
 
 
@@ -262,7 +272,7 @@ def fork_rank(rank_argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: 
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:
-            _child(list(rank_argv), env, cwd, fd)
+            become_rank(list(rank_argv), env, cwd, fd)
     finally:
         if pid != 0:
             if freeze:
@@ -271,8 +281,9 @@ def fork_rank(rank_argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: 
     return ForkedRank(pid)
 
 
-def _child(rank_argv: list[str], env: Mapping[str, str], cwd: Path, fd: int) -> NoReturn:
-    """The forked side: become a rank as an exec'd one would start, then never return into pytest."""
+def become_rank(rank_argv: list[str], env: Mapping[str, str], cwd: Path, fd: int) -> NoReturn:
+    """The forked side (of pytest, or of the fake GPU's fork server): become a rank as an exec'd one
+    would start, then never return into the process it was forked from."""
     code = 70  # EX_SOFTWARE: the rank did not get as far as its own exit
     try:
         os.setsid()

@@ -15,6 +15,7 @@ import psutil
 
 from ..config.env_names import LAUNCH_ID_ENV
 from . import forking
+from .fork_server import ServedRank
 
 _TERM_GRACE_S = 3.0
 
@@ -24,7 +25,7 @@ class LaunchProcesses:
 
     def __init__(self, launch_id: str) -> None:
         self.launch_id = launch_id
-        self._procs: list[subprocess.Popen | forking.ForkedRank] = []  # what we started, reaped by us
+        self._procs: list[subprocess.Popen | forking.ForkedRank | ServedRank] = []  # what we started, reaped by us
         self._seen: dict[int, psutil.Process] = {}  # every process of the launch seen so far
 
     def _remember(self, pid: int) -> None:

@@ -98,15 +98,15 @@ class RankSetup:
     def fork_refusal(self, spec: Spec, chosen: Launcher, plan: GpuPlan, env: Mapping[str, str]) -> str | None:
         """Why this launch's ranks are exec'd rather than forked from pytest (None: forked).
 
-        auto forks GPU launches only: their figure is GPU memory, which a fork leaves as it is.
-        What the process itself may forbid (CUDA or OneFlow in pytest, other threads) is checked
-        by the launch, at the fork (``forking.refusal``).
+        auto forks GPU launches only: their figure is GPU memory, which a fork leaves as it is. A
+        fake GPU's ranks are forked from its warm server (``fork_server``: its shim must be in before
+        torch), not from pytest, so pytest's own settings do not forbid it. What the process itself
+        may forbid (CUDA or OneFlow in pytest, other threads) is checked by the launch, at the fork
+        (``forking.refusal``).
         """
         if self.start == "exec":
             return EXEC_ASKED
-        if plan.fake_gpu:
-            return "a fake GPU loads its CUDA shim before the rank imports torch"
-        if self.start == "auto" and (plan.sampler is None or spec.device == "cpu"):
+        if self.start == "auto" and not plan.fake_gpu and (plan.sampler is None or spec.device == "cpu"):
             return NOT_GPU
         if not chosen.per_rank:
             return f"launcher={chosen.name!r} starts the ranks itself"
@@ -116,7 +116,7 @@ class RankSetup:
             return "host allocations are tracked (a forked rank's start-up would be pytest's, not its own)"
         if self.in_rank_gpu(chosen, plan):
             return "each rank samples its own GPU (--gpumem-gpu-sampler=rank)"
-        return self.start_refusal
+        return None if plan.fake_gpu else self.start_refusal
 
     def in_rank_gpu(self, chosen: Launcher, plan: GpuPlan) -> bool:
         return chosen.remote or (plan.sampler is not None and self.gpu_sampler == "rank")

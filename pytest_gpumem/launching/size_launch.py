@@ -167,7 +167,7 @@ class SizeLaunch:
             workdir=workdir,
             timeout=spec.timeout,
             nnodes=spec.nnodes,
-            start="exec" if refused else "fork",
+            start="exec" if refused else "serve" if plan.fake_gpu else "fork",
             simulated=simulated,
             world_size=world,
             gpus=self.processes(world, simulated),  # the GPUs leased, which LOCAL_RANK indexes

@@ -29,7 +29,7 @@ from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
 from ..rankside import protocol
 from ..rankside.rank import STARTUP_CWD
 from ..rankside.simulate import SIMULATE_ENV
-from . import forking
+from . import fork_server, forking
 from .leases import LeaseError
 from .ports import PortError, PortLease, default_port_dir, lease_port
 from .processes import LaunchProcesses
@@ -56,7 +56,9 @@ class LaunchRequest:
     workdir: Path                   # private folder of this launch (logs, pids, results)
     timeout: float
     nnodes: int | None = None       # srun only: spread the ranks over this many nodes
-    start: str = "exec"             # direct only: "fork" forks the ranks from pytest where it is safe (forking)
+    # direct only: "fork" forks the ranks from pytest where it is safe (forking), "serve" from the fake
+    # GPU's warm server (fork_server)
+    start: str = "exec"
     # direct only: a simulated world (rankside.simulate): process i is rank simulated[i] of a world of
     # world_size, on the i-th of the GPUs it sees (modulo their number, gpus); () for a real world
     simulated: tuple[int, ...] = ()
@@ -310,6 +312,15 @@ class Launch(LaunchProcesses):
             self._procs.append(proc)
         self._remember(proc.pid)
 
+    def _serve(self, env: Mapping[str, str], log: Path) -> str | None:
+        """Start one rank forked by the fake GPU's warm server (``fork_server``); why not, where it would not."""
+        proc = fork_server.SERVERS.fork(self.request.rank_argv, env, self.request.cwd, log, self.request.timeout)
+        if isinstance(proc, str):
+            return proc
+        self._procs.append(proc)
+        self._remember(proc.pid)
+        return None
+
     def _supervise(self, start: float) -> _Ending:
         req = self.request
         deadline = start + req.timeout
@@ -397,10 +408,16 @@ class Launch(LaunchProcesses):
             except OSError:
                 pass
         end = time.monotonic() + STACK_DUMP_WAIT_S
-        while time.monotonic() < end and not all(
-                protocol.read_tail(self.request.workdir, rank, "stack").strip() for rank in asked):
+        # faulthandler writes a thread at a time, the signalled (main) thread's frames among the last:
+        # done when every dump has begun and none grew over the last tick (a busy host wrote the
+        # main thread's header and not yet its frames by the time a fixed pause ended)
+        sizes: list[int] = []
+        while time.monotonic() < end:
+            texts = [protocol.read_tail(self.request.workdir, rank, "stack") for rank in asked]
+            if all(texts) and [len(t) for t in texts] == sizes:
+                break
+            sizes = [len(t) for t in texts]
             time.sleep(0.05)
-        time.sleep(0.05)  # faulthandler writes a thread at a time: let the last one finish
         return read_stacks(self.request.workdir, self._pids)
 
     def _exit_codes(self, timed_out: bool) -> Exits:

@@ -22,7 +22,7 @@ class DirectLaunch(Launch):
     def _start_ranks(self, command: list[str], env: Mapping[str, str], port: int) -> tuple[str, str | None]:
         req = self.request
         refusal = forking.refusal(env) if req.start == "fork" else None
-        start = "fork" if req.start == "fork" and refusal is None else "exec"
+        start = req.start if req.start in ("fork", "serve") and refusal is None else "exec"
         # Each rank writes into its own log from its first byte: a rank that dies before
         # the plugin's rank code runs (it cannot import it, say) still leaves its traceback.
         for rank in range(req.nproc):
@@ -30,9 +30,15 @@ class DirectLaunch(Launch):
             if req.simulated:
                 rank_env.update(simulated_env(rank, req))
             log = protocol.rank_file(req.workdir, rank, "log")
-            if start == "fork":
+            if start == "serve":
+                refusal = self._serve(rank_env, log)
+                if refusal is None:
+                    continue
+                start = "exec" if rank == 0 else start  # the server would not: this rank (and those after) exec'd
+                self._spawn(command, rank_env, log)
+            elif start == "fork":
                 self._fork(rank_env, log)
-            else:
+            elif start == "exec":
                 self._spawn(command, rank_env, log)
         return start, refusal
 

@@ -41,6 +41,8 @@ def install(name: str, calibration: str | None = None) -> None:
     from .accounting import FakeAllocator
 
     model = models.model(name, Path(calibration) if calibration else None)
+    if active.get("model") == model:  # a rank forked from the fake GPU's warm server: installed there
+        return
     shim.load()
     allocator = FakeAllocator(model.cublas_workspace, model.cublaslt_workspace)
     active.update(model=model, allocator=allocator)
