@@ -112,6 +112,7 @@ class _Heap:
         self.calls: dict[bool, int] = {True: 0, False: 0}  # get_free_block calls per pool (the GC's clock)
         self._next_id = 0
         self._next_addr = 1 << 20
+        self.placed: int | None = None  # the GPU's address for the next cudaMalloc'd segment, when known
 
     def new(self, addr: int, size: int, stream: int, small: bool, segment: int | None = None) -> int:
         self._next_id += 1
@@ -172,12 +173,14 @@ class _Heap:
         return head
 
     def segment(self, size: int, stream: int, small: bool) -> int | None:
-        """A new cudaMalloc'd segment (None: over the capacity)."""
+        """A new cudaMalloc'd segment (None: over the capacity), at the GPU's address where it is known."""
         if self.reserved + size > self.capacity:
             return None
         self.reserved += size
         self.count += 1
-        return self.new(self.address_space(size), size, stream, small)
+        addr = self.address_space(size) if self.placed is None else self.placed
+        self.placed = None
+        return self.new(addr, size, stream, small)
 
     def release(self, bid: int) -> None:
         """cudaFree of a whole cached segment."""
@@ -352,6 +355,12 @@ class CachingAllocator:
                 elif block.prev is None and block.next is None:
                     self.heap.release(bid)
 
+    def place_next_segment(self, addr: int) -> None:
+        """The GPU's address of the segment the next allocation takes: torch breaks ties between cached
+        blocks of one size by address (``BlockComparatorSize``), so a replay that knows the GPU's
+        addresses picks the block the GPU picked."""
+        self.heap.placed = addr
+
     def reset_peak(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()``."""
         self.peaks = {"allocated": self.allocated, "reserved": self.heap.reserved,
@@ -495,7 +504,8 @@ class CachingAllocator:
         peaks["segments"] = max(peaks["segments"], self.heap.count)
 
 
-# (action, handle, size, stream); action: alloc, free, record_stream, complete, empty_cache, reset_peak
+# (action, handle, size, stream); action: alloc, free, record_stream, complete, empty_cache, reset_peak,
+# segment_at (the GPU's address of the next segment, in the size field)
 Event = Sequence
 
 
@@ -517,6 +527,9 @@ def _replayed(allocator: CachingAllocator, events: Iterable[Event]) -> Iterator[
     for action, handle, size, stream in events:
         if action == "alloc":
             ids[handle] = allocator.malloc(size, stream)
+            allocator.heap.placed = None  # a replay that took no segment here must not place a later one
+        elif action == "segment_at":
+            allocator.place_next_segment(size)
         elif action == "free":
             bid = ids.pop(handle)
             allocator.free(bid)
@@ -564,7 +577,8 @@ def first_divergence(snapshot: dict, conf: AllocConf | None = None, device: int 
 def trace_events(snapshot: dict, device: int = 0) -> list[tuple[str, int, int, int]]:
     """The events of a ``torch.cuda.memory._snapshot()`` history (recorded from the job's start), for
     ``replay_allocator``. A free whose ``free_completed`` does not follow at once waited on another
-    stream's event (``record_stream``): it completes where the trace says. A run of segments freed
+    stream's event (``record_stream``): it completes where the trace says. A segment allocated is
+    ``segment_at`` its address (the ``size`` field), for the replay's ties. A run of segments freed
     is replayed as ``empty_cache`` (the retry path before an OOM frees the same cached segments,
     unless ``max_split_size_mb`` or a garbage-collection threshold is set)."""
     trace = (snapshot.get("device_traces") or [[]])[device]
@@ -581,7 +595,9 @@ def trace_events(snapshot: dict, device: int = 0) -> list[tuple[str, int, int, i
             released = True
             continue
         released = released and action == "free_completed"
-        if action == "alloc":
+        if action == "segment_alloc":
+            out.append(("segment_at", 0, addr, 0))
+        elif action == "alloc":
             live[addr] = handle = len(out) + 1  # unique: one event is added per handle
             stream = streams.setdefault(int(event.get("stream") or 0), len(streams))
             out.append(("alloc", handle, int(event["size"]), stream))

@@ -102,6 +102,24 @@ def test_best_fit_takes_the_smallest_cached_block_that_fits():
     assert allocator.heap.reserved == 52 * MiB
 
 
+def test_ties_between_equal_sizes_break_at_the_lower_address_the_gpu_gave():
+    """``BlockComparatorSize``: stream, size, then address; a replay told the GPU's segment addresses
+    (``segment_at``, from the history's ``segment_alloc``) hands out the block the GPU did."""
+    allocator = CachingAllocator()
+    allocator.place_next_segment(5 << 30)
+    first = allocator.malloc(12 * MiB)
+    allocator.place_next_segment(1 << 30)
+    second = allocator.malloc(12 * MiB)
+    allocator.free(first)
+    allocator.free(second)
+    assert allocator.malloc(12 * MiB) == second  # at the lower address, though allocated later
+    unplaced = CachingAllocator()
+    blocks = [unplaced.malloc(12 * MiB) for _ in range(2)]
+    for block in blocks:
+        unplaced.free(block)
+    assert unplaced.malloc(12 * MiB) == blocks[0]  # the replay's own addresses grow with each segment
+
+
 def test_each_stream_has_its_own_cached_blocks():
     """``BlockComparatorSize`` orders by stream first and ``get_free_block`` refuses a block of another
     stream: a block freed on one stream is never reused on another."""
@@ -348,7 +366,8 @@ def test_a_torch_history_replays_to_its_own_segments():
                event("segment_alloc", 1000, 2 * MiB), event("alloc", 1000, 100)]
     snapshot = {"device_traces": [history]}
     actions = [e[0] for e in trace_events(snapshot)]
-    assert actions == ["alloc", "record_stream", "free", "alloc", "complete", "free", "empty_cache", "alloc"]
+    assert actions == ["segment_at", "alloc", "record_stream", "free", "segment_at", "alloc", "complete", "free",
+                       "empty_cache", "segment_at", "alloc"]
     figures = replay_allocator(trace_events(snapshot))
     assert figures.reserved_peak == traced_reserved_peak(snapshot) == 24 * MiB
     assert figures.allocated_peak == 12 * MiB
