@@ -355,7 +355,7 @@ class CachingAllocator:
                 elif block.prev is None and block.next is None:
                     self.heap.release(bid)
 
-    def place_next_segment(self, addr: int) -> None:
+    def place_next_segment(self, addr: int | None) -> None:
         """The GPU's address of the segment the next allocation takes: torch breaks ties between cached
         blocks of one size by address (``BlockComparatorSize``), so a replay that knows the GPU's
         addresses picks the block the GPU picked."""
@@ -527,7 +527,7 @@ def _replayed(allocator: CachingAllocator, events: Iterable[Event]) -> Iterator[
     for action, handle, size, stream in events:
         if action == "alloc":
             ids[handle] = allocator.malloc(size, stream)
-            allocator.heap.placed = None  # a replay that took no segment here must not place a later one
+            allocator.place_next_segment(None)  # a replay that took no segment here places no later one
         elif action == "segment_at":
             allocator.place_next_segment(size)
         elif action == "free":
