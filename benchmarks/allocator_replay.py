@@ -253,8 +253,10 @@ def main() -> None:
     elif args.replay:
         table = replay(args.replay)
         print(table, end="")
-        if args.out:
-            args.out.write_text(table)
+        if args.out:  # with its commands, the paths by their names alone
+            args.out.write_text(f"$ python3 benchmarks/allocator_replay.py --record OUT --budget {args.budget:.0f}"
+                                f"  # on the GPU named below\n$ python benchmarks/allocator_replay.py --replay "
+                                f"OUT/{args.replay.name} --out {args.out.name}\n{table}")
     else:
         parser.error("one of --record, --replay")
 
