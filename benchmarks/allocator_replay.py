@@ -175,7 +175,8 @@ def record(out: Path, budget: float, only: list[str]) -> None:
 
 def _job(name: str, timeout: float) -> dict[str, Any]:
     started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTORCH_CUDA_ALLOC_CONF": JOBS[name][1]}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTORCH_CUDA_ALLOC_CONF": JOBS[name][1]}
     if not JOBS[name][1]:
         env.pop("PYTORCH_CUDA_ALLOC_CONF")
     try:
@@ -184,8 +185,8 @@ def _job(name: str, timeout: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        return {"error": f"exit {done.returncode}: " + (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
     result: dict[str, Any] = json.loads(lines[-1])
     result.update(conf=JOBS[name][1], s=round(time.perf_counter() - started, 1))
     return result
