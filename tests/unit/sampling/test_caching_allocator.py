@@ -388,6 +388,8 @@ def test_the_first_allocation_a_replay_reserves_otherwise_is_named():
 
 
 def test_the_settings_parse_as_torch_parses_them():
+    """``AllocatorConfig::parseArgs`` (c10/core/AllocatorConfig.cpp): comma-separated ``key:value``
+    tokens, spaces dropped; ``PYTORCH_ALLOC_CONF`` read before ``PYTORCH_CUDA_ALLOC_CONF``."""
     conf = parse_alloc_conf("max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6,"
                             "roundup_power2_divisions:[64:8,256:2,>:1],release_lock_on_cudamalloc:True")
     assert (conf.max_split_size, conf.expandable_segments, conf.garbage_collection_threshold) == \
@@ -410,6 +412,8 @@ def test_the_settings_parse_as_torch_parses_them():
     ("expandable_segments", "expected 'key:value'"),
 ])
 def test_a_bad_setting_names_the_variable_the_key_and_what_is_accepted(text: str, message: str):
+    """The values torch's ``parseMaxSplitSize``, ``parseRoundUpPower2Divisions``,
+    ``parseGarbageCollectionThreshold`` and ``consumeToken`` refuse, refused with what is accepted."""
     with pytest.raises(AllocConfError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_alloc_conf(text)
 
