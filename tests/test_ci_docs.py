@@ -73,7 +73,7 @@ class Runner:
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUMEM_", "PYTEST_"))},
-                    "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CI": "true",
+                    "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CI": "true", "GITHUB_ACTION_PATH": str(REPO),
                     "RUNNER_TEMP": str(tmp / "runner"), "GITHUB_WORKSPACE": str(project),
                     "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         (tmp / "runner").mkdir()
@@ -144,6 +144,8 @@ def test_every_step_of_docs_ci_and_of_the_action_runs_here(project: Path, tmp_pa
     installs = runner.pip_log.read_text().splitlines()
     assert "install -q torch --index-url https://download.pytorch.org/whl/cpu" in installs  # hosted: CPU build
     assert "install -q torch --index-url https://download.pytorch.org/whl/cu128" in installs  # nightly: CUDA
+    assert installs.count(f"install -q {REPO}[plots]") == 2  # the action's own checkout; no pyproject.toml: no -e .
+    assert not [line for line in installs if "-e ." in line]  # nor in the refresh workflow's install
 
     diff, bisect = blocks("bash")
     runner.shell(expand(diff, values))  # main vs the pull request: the same commit, no regression (exit 0)
