@@ -249,15 +249,16 @@ OPTIONS: tuple[Option, ...] = (
            "skip, instead of predict, nproc sizes above the launch cap", const="0",
            shown_default="predict", flag="--gpumem-no-predict"),
     Option("simulate", _choice(SIMULATE), "auto", "one of " + ", ".join(SIMULATE),
-           "run sizes as a simulated world (torch): the gated rank (every rank for rank='all') alone with a "
-           "stand-in communicator that keeps every tensor's size, so its allocator figure is the real one. "
+           "run sizes as a simulated world (torch): the gated rank (every rank for rank='all', and at the "
+           "smallest simulated size above 1 where none above 1 is launched; on GPUs as many at a time as there "
+           "are GPUs) alone with a stand-in "
+           "communicator keeping every tensor's size: its allocator figure is the real one. "
            "auto: the sizes that need more GPUs than there are; on: every size above 1; off: never (larger "
            "sizes are then predicted or shown as not launched). A marker's simulate wins"),
     Option("fake_gpu", _choice(FAKE_GPU), "auto", "one of " + ", ".join(FAKE_GPU),
            "run device='gpu' tests on a fake GPU (torch; docs/fake-gpu.md): the job as written for CUDA, "
-           "every CUDA tensor a fake one, the allocator figure counted as on the emulated model, every size "
-           "a simulated world. auto: where this machine has no GPU; on: always; off: never. A marker's "
-           "fake_gpu wins"),
+           "every CUDA tensor a fake one, every size a simulated world. auto: where this machine has no GPU; "
+           "on: always; off: never. A marker's fake_gpu wins"),
     Option("fake_gpu_model", str, "NVIDIA H200", "a GPU model built in, or one gpumem calibrate recorded",
            "the GPU model a fake GPU emulates (its properties and library workspaces; gpumem calibrate "
            "records another)"),
@@ -271,9 +272,10 @@ OPTIONS: tuple[Option, ...] = (
            "how a direct launch starts its ranks. fork: from pytest, which has the test module and its "
            "frameworks imported already (no second interpreter, pytest start-up and collection: ~1.5 s a "
            "rank for a test file importing torch); exec: a fresh interpreter each. auto: fork the ranks of "
-           "GPU launches, where the gated figure is GPU memory. Either way a rank is exec'd where a fork "
-           "would change it: host allocations tracked, a start-up variable (PYTHON*, LD_*, OpenMP's...) "
-           "set for the ranks, CUDA initialised or OneFlow imported in pytest (docs/gpu.md)"),
+           "GPU launches, where the gated figure is GPU memory; a fake GPU's from a warm process "
+           "that loaded torch once a session. Either way a rank is exec'd where a fork "
+           "would change it: host allocations tracked, a start-up variable (PYTHON*, LD_*...) set for the "
+           "ranks, CUDA initialised or OneFlow imported in pytest (docs/gpu.md)"),
     Option("boxing", _bool, "on", "on or off (also 1/0, true/false, yes/no)",
            "audit OneFlow's SBP conversions (eager and nn.Graph) in each rank and store it with the baseline",
            rank_env=True, env=BOXING_ENV),

@@ -437,10 +437,9 @@ class Spec:
         parse_tolerance(DEFAULT_ALLOCATED_TOLERANCE), TOLERANCE_ACCEPTED,
         "drift allowed above the baseline's allocator figure", _tolerance, session=True)
     simulate: str = _argument(
-        "auto", "one of " + ", ".join(SIMULATE), "sizes above nproc=1 as a simulated world (torch): the gated rank, "
-        "or every rank for rank='all' (on GPUs as many at a time as there are GPUs), runs alone with a stand-in "
-        "communicator; auto simulates only the sizes that need more GPUs than there are, on simulates every size "
-        "above 1, off never", _one_of(SIMULATE), session=True)
+        "auto", "one of " + ", ".join(SIMULATE), "sizes above nproc=1 as a simulated world (torch; which ranks run: "
+        "--gpumem-simulate); auto: the sizes that need more GPUs than there are; on: every size above 1; off: "
+        "never", _one_of(SIMULATE), session=True)
     assume: str | None = _argument(
         None, "None or " + ", ".join(repr(a) for a in ASSUME), "what a simulated rank takes the values other ranks "
         "send to be, where the job reads them (token counts of expert routing, a received size): None stops the "

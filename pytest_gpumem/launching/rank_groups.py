@@ -18,6 +18,17 @@ from ..results.size import LINES, PER_RANK, PerRank
 from .launched import SizeRun
 
 
+def ranks_to_simulate(rank: int | str, world: int, simulated: tuple[int, ...],
+                      launched: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks that run at a simulated world of ``world``: every one for ``rank="all"``; else the
+    gated rank alone, but at the smallest world above 1 where none above 1 is launched for real
+    (``launched``): there every rank runs, so that a job that crashes or hangs a rank other than the
+    gated one fails (rank 0 alone let a rank 1 that raised pass), at the cheapest such world."""
+    above = [n for n in simulated if n > 1]
+    every = not any(n > 1 for n in launched) and bool(above) and world == min(above)
+    return tuple(range(world)) if rank == "all" or every else (int(rank),)
+
+
 def rank_groups(ranks: tuple[int, ...], gpus: int | None, fake: bool) -> list[tuple[int, ...]]:
     """The launches that run ``ranks``: all at once on host memory or a fake GPU, else ``gpus`` at a time."""
     if gpus is None or fake or len(ranks) <= gpus:

@@ -20,7 +20,7 @@ from ..results.predict import PredictError, predict
 from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 from .driver import TestDriver
 from .launched import SizeRun, TestRun
-from .rank_groups import merged, rank_groups
+from .rank_groups import merged, rank_groups, ranks_to_simulate
 
 # The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
 # rank code imported (30.3 MiB measured, torch venv, Python 3.11); a framework adds to it.
@@ -163,7 +163,7 @@ def run(driver: TestDriver, test_id: str, spec: Spec, capacity: Capacity) -> Tes
                            for n in fallback.unlaunched}
         chosen = replace(chosen, predicted=fallback.predicted)
     for n in simulated:
-        ranks = tuple(range(n)) if spec.rank == "all" else (int(spec.rank),)
+        ranks = ranks_to_simulate(spec.rank, n, simulated, chosen.launch.sizes)
         groups: list[SizeRun] = []
         for group in rank_groups(ranks, chosen.gpus, chosen.fake):  # ranks that fit the GPUs together
             groups.append(driver.simulate(test_id, spec, n, group, chosen.gpus, fake=chosen.fake))

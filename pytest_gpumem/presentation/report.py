@@ -38,6 +38,17 @@ def floor_split(size: SizeRecord) -> str | None:
     return None if parts is None else f"{parts[0]:.1f} + {parts[1]:.1f}"
 
 
+def ran(simulated: Sequence[int], world: int) -> str:
+    """Which ranks of a simulated world above 1 ran: every one, or which alone (the others did not)."""
+    if world < 2 or not simulated:
+        return ""
+    if sorted(simulated) == list(range(world)):
+        return ", every rank ran"
+    if len(simulated) == 1:
+        return f", rank {simulated[0]} ran alone"
+    return f", ranks {', '.join(map(str, simulated))} ran"
+
+
 def table(records: Iterable[TestRecord]) -> list[str]:
     """Fixed-width table, one row per test and world size; a "floor + job" column where a floor was
     measured (``--gpumem-floor``)."""
@@ -58,6 +69,8 @@ def table(records: Iterable[TestRecord]) -> list[str]:
             m = size.measured
             predicted = (", predicted" + ("" if size.validated else ", not validated")) if size.predicted else ""
             predicted += f", fake {m.fake_gpu}" if m.fake_gpu else ", simulated" if m.simulated else ""
+            predicted += ran(m.simulated, size.nproc)
+            predicted += f", {m.cuda_on_cpu}" if m.cuda_on_cpu else ""
             predicted += ", comm hook not run" if m.uncounted else ""
             predicted += ", values assumed" if m.supplied else ""
             gated_rss = size.gated_rank is not None and _resident(size, [size.gated_rank])

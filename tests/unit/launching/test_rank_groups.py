@@ -1,7 +1,7 @@
 """Simulated ranks that do not fit the GPUs together run in groups, one after another, merged into one run."""
 
 from pytest_gpumem.launching.launched import SizeRun
-from pytest_gpumem.launching.rank_groups import merged, rank_groups
+from pytest_gpumem.launching.rank_groups import merged, rank_groups, ranks_to_simulate
 from pytest_gpumem.launching.supervise import LaunchResult
 from pytest_gpumem.results.size import SizeResult, gated_reading
 from pytest_gpumem.sampling import Peak
@@ -38,3 +38,14 @@ def test_the_groups_merge_into_one_run_of_the_worlds_size_on_one_time_axis_and_s
                                       "GPU(s)), 3 launches one after another, 15.0 s in all"]
     one = group((0,), [100.0], 5.0)
     assert merged([one], 1) is one
+
+
+def test_every_rank_runs_at_the_smallest_simulated_world_above_1_where_none_above_1_is_launched():
+    """A rank other than the gated one that crashes or hangs must fail the test: at the cheapest world
+    above 1 every rank runs; above it (and where a world above 1 runs for real) the gated rank alone."""
+    fake = (1, 2, 8)  # a fake GPU: every size simulated, none launched
+    assert [ranks_to_simulate(0, n, fake, ()) for n in fake] == [(0,), (0, 1), (0,)]
+    assert [ranks_to_simulate(1, n, (2, 4), (1,)) for n in (2, 4)] == [(0, 1), (1,)]  # the gated rank above
+    assert ranks_to_simulate(0, 8, (8,), (1, 2)) == (0,)  # 2 ran for real: every rank of it ran there
+    assert ranks_to_simulate("all", 8, fake, ()) == tuple(range(8))
+    assert ranks_to_simulate(0, 4, (4,), ()) == (0, 1, 2, 3)  # one size only: it is the smallest
