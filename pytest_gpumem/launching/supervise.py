@@ -225,7 +225,9 @@ class Launch(LaunchProcesses):
         try:
             guard.arm()
             started = self._start_ranks(command, env, port)
-            ending = self._supervise(start)
+            # the timeout is the ranks' own: a fake GPU's warm server loading (once a session, bounded
+            # by the timeout too) is not charged to the first size's ranks; the duration counts it
+            ending = self._supervise(time.monotonic())
         except FatalSignal as exc:
             guard.held.append(exc.signum)  # raised again once the launch's processes are gone
         finally:
