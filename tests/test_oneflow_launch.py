@@ -118,3 +118,22 @@ def test_failure_report_explains_with_config_and_boxing(pytester, launch_tag, mo
         "*new: S(0)->B x1 (was 0)*",
         "*(32768, 4096) float32 into *",
     ])
+
+
+def test_a_rank_oneflow_aborts_names_oneflows_check_first(pytester, launch_tag):
+    """OneFlow's CHECK aborts the rank (SIGABRT) and logs why to its glog FATAL file, not the rank's
+    output: the failure's first line carries it, before the crash dump (issue 67, item 5)."""
+    pytester.makepyfile('''
+import pytest
+import oneflow as flow
+
+@pytest.mark.gpumem(nproc=2, timeout=120)
+def test_mismatched_all_reduce():
+    x = flow.ones(4 if flow.env.get_rank() == 0 else 8)   # the ranks disagree on the collective's size
+    flow.comm.all_reduce(x)
+    print(x.sum())
+''')
+    result = pytester.runpytest_subprocess("--gpumem", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.re_match_lines([r"failed test_\w+\.py::test_mismatched_all_reduce: rank \d of 2 ended without a "
+                                  r"result \([^)]*\): transport\.cpp:\d+: Check failed: .* \(\d+ vs\. \d+\)"])

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config.settings import DEFAULT_FAIL_FAST_GRACE_S
+from ..rankside import protocol
 from ..rankside.protocol import RankResult
+from .framework_errors import framework_message
 from .launchers import Launcher
 from .supervise import LaunchResult
 
@@ -140,12 +142,13 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
             launcher_shown: bool = False) -> tuple[str, bool]:
     """The text of one rank that failed or ended without a result; and whether it shows the
     launcher's output (shown once: with the first rank that left no log of its own)."""
+    cause = _framework_cause(launch, rank, ctx.workdir)  # the C++ check that aborted it, first
     if outcome.outcome == "failed" and ctx.body_mode:  # the text is the rank's pytest report
-        error = f" {outcome.error}" if outcome.error else ""
+        error = (f" {cause};" if cause else "") + (f" {outcome.error}" if outcome.error else "")
         hint = f"\n{CUDA_HINT}" if ctx.without_gpu and _needs_cuda(outcome.text) else ""
         return f"{who(launch, rank)} failed:{error}{hint}\n{outcome.text.rstrip()}", False
     head = (f"{who(launch, rank)} failed ({outcome.text})" if outcome.outcome == "failed"
-            else f"{who(launch, rank)} ended without a result ({outcome.text})")
+            else f"{who(launch, rank)} ended without a result ({outcome.text})") + (f": {cause}" if cause else "")
     started = rank in launch.pids  # it announced itself: the plugin's rank code ran
     if not started:
         head += " before the plugin's rank code started"
@@ -163,6 +166,16 @@ def _failed(launch: LaunchResult, rank: int, outcome: RankResult, ctx: LaunchCon
     if ctx.without_gpu and _needs_cuda(tail):
         hint = CUDA_HINT
     return head + (f"\n{hint}" if hint else ""), from_launcher
+
+
+def _framework_cause(launch: LaunchResult, rank: int, workdir: Path) -> str:
+    """The C++ check that aborted a rank, from its output or, where glog writes to files (OneFlow
+    in a rank: the launch's folder), from its FATAL file, named by the rank's pid."""
+    texts = [protocol.read_tail(workdir, rank, "log")]
+    pid = launch.pids.get(rank)
+    if pid is not None:
+        texts += [_tail(path, 200) for path in sorted(workdir.rglob(f"*.log.FATAL.*.{pid}"))]
+    return framework_message("\n".join(texts))
 
 
 def _needs_cuda(output: str) -> bool:
