@@ -84,17 +84,30 @@ def parse_alloc_conf(text: str, variable: str = "PYTORCH_CUDA_ALLOC_CONF") -> Al
             if tokens[i] != ",":
                 raise AllocConfError(f"{variable}: expected ',' after {key} in {text!r}")
             i += 1
-    return AllocConf(**values)  # type: ignore[arg-type]
+    return AllocConf(**_sized_by_the_large_segment(variable, values))  # type: ignore[arg-type]
+
+
+def _sized_by_the_large_segment(variable: str, values: dict[str, object]) -> dict[str, object]:
+    """torch (``AcceleratorAllocatorConfig::parseArgs``, 2.9+) reads ``large_segment_size_mb`` first:
+    ``max_split_size_mb`` and ``max_non_split_rounding_mb`` may not be smaller, and the rounding is that
+    size unless set (20 MiB, kLargeBuffer, by default)."""
+    sizes = {name: value for name, value in values.items() if isinstance(value, int)}
+    large = sizes.get("large_segment_size", LARGE_BUFFER)
+    for name, key in (("max_split_size", "max_split_size_mb"), ("max_non_split_rounding", "max_non_split_rounding_mb")):
+        if sizes.get(name, large) < large:
+            raise AllocConfError(f"{variable}: {key} must be >= {large // MiB} (MiB, the large segment size), "
+                                 f"got {sizes[name] // MiB}")
+    return {"max_non_split_rounding": large, **values}
 
 
 def _value(variable: str, key: str, raw: object) -> tuple[str, object]:
     """(the field of ``AllocConf``, its value), or ('', None) for a key that moves no reserved byte."""
     where = f"{variable}: {key}"
     if key in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb"):
-        large = key == "large_segment_size_mb"  # torch: over kMinLargeAlloc (10 MiB); the others >= 20 MiB
-        mib = _whole(where, raw, "a whole number of MiB " + ("> 10" if large else ">= 20"))
-        if (large and mib <= MIN_LARGE_ALLOC // MiB) or (not large and mib < LARGE_BUFFER // MiB):
-            raise AllocConfError(f"{where} must be {'> 10' if large else '>= 20'} (MiB), got {mib}")
+        large = key == "large_segment_size_mb"  # over kMinLargeAlloc (10 MiB); the others checked after
+        mib = _whole(where, raw, "a whole number of MiB " + ("> 10" if large else ">= large_segment_size_mb"))
+        if large and mib <= MIN_LARGE_ALLOC // MiB:
+            raise AllocConfError(f"{where} must be > 10 (MiB), got {mib}")
         return {"max_split_size_mb": "max_split_size", "max_non_split_rounding_mb": "max_non_split_rounding",
                 "large_segment_size_mb": "large_segment_size"}[key], min(mib * MiB, UNLIMITED)
     if key == "roundup_power2_divisions":

@@ -453,7 +453,7 @@ def test_the_divisions_of_each_size_are_torchs_own(text: str):
 @pytest.mark.parametrize("text", ["max_split_size_mb:10", "expandable_segments:true", "roundup_power2_divisions:3",
                                   "roundup_power2_divisions:[100:2]", "garbage_collection_threshold:1.5",
                                   "garbage_collection_threshold:0", "large_segment_size_mb:10",
-                                  "max_non_split_rounding_mb:19"])
+                                  "max_non_split_rounding_mb:19", "max_split_size_mb:30,large_segment_size_mb:50"])
 def test_a_setting_torch_refuses_is_refused(text: str):
     """What torch's parser refuses we refuse (we refuse more: an unknown key, which torch 2.13 skips, and
     ``backend:cudaMallocAsync``, whose pool the replay does not model)."""
@@ -465,3 +465,16 @@ def test_a_setting_torch_refuses_is_refused(text: str):
         setter("")
     with pytest.raises(AllocConfError, match=text.split(":")[0]):
         parse_alloc_conf(text)
+
+
+def test_the_large_segment_size_bounds_the_split_settings_and_sets_the_rounding():
+    """torch's ``AcceleratorAllocatorConfig::parseArgs`` reads ``large_segment_size_mb`` first, sets
+    ``max_non_split_rounding_size_`` to it, and refuses a ``max_split_size_mb`` or
+    ``max_non_split_rounding_mb`` below it (``parseMaxSplitSize``: 'must be >= large_segment_size_')."""
+    assert parse_alloc_conf("max_split_size_mb:64,large_segment_size_mb:32").max_non_split_rounding == 32 * MiB
+    assert parse_alloc_conf("large_segment_size_mb:32,max_non_split_rounding_mb:40").max_non_split_rounding == \
+        40 * MiB
+    assert AllocConf().max_non_split_rounding == parse_alloc_conf("max_split_size_mb:20").max_non_split_rounding \
+        == 20 * MiB
+    with pytest.raises(AllocConfError, match="max_non_split_rounding_mb must be >= 32 .MiB, the large segment"):
+        parse_alloc_conf("max_non_split_rounding_mb:24,large_segment_size_mb:32")
