@@ -1,7 +1,7 @@
 """The caching allocator's reserved peak, replayed (``pytest_gpumem.sampling.caching_allocator``) against
 a GPU's own ``max_memory_reserved()``.
 
-    python3 benchmarks/allocator_replay.py --record OUTDIR --budget 240   # on a GPU machine
+    python3 benchmarks/allocator_replay.py --record OUTDIR   # on a GPU machine (--budget 220 s)
     python benchmarks/allocator_replay.py --replay OUTDIR/traces.json.gz --out table.txt   # anywhere
 
 ``--record`` runs each job in a process of its own (three at a time), the allocator's history on from
@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--replay", type=Path)
     parser.add_argument("--job", choices=sorted(JOBS))
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--budget", type=float, default=240.0, help="seconds within which jobs start")
+    parser.add_argument("--budget", type=float, default=220.0, help="seconds within which every job ends")
     parser.add_argument("--only", default="", help="comma-separated jobs (default: all)")
     args = parser.parse_args()
     only = [name for name in args.only.split(",") if name]

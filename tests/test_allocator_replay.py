@@ -51,7 +51,7 @@ def test_replay_reads_each_job_and_compares_its_reserved_peak(tmp_path: Path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--replay", str(path), "--out", str(out)],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert out.read_text() == ("$ python3 benchmarks/allocator_replay.py --record OUT --budget 240  # on the GPU "
+    assert out.read_text() == ("$ python3 benchmarks/allocator_replay.py --record OUT --budget 220  # on the GPU "
                                "named below\n$ python benchmarks/allocator_replay.py --replay OUT/traces.json.gz "
                                "--out table.txt\n" + done.stdout)
     head, *rows = done.stdout.splitlines()
