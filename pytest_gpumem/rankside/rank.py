@@ -286,9 +286,12 @@ def _exit_fast(code: object) -> None:
     Python threads are joined and every atexit handler runs (the frameworks' own shutdown, then
     our exit report), but the interpreter's finalisation and C++ static destructors are skipped:
     measured here 150-500 ms per rank, which the kernel does anyway. ``GPUMEM_FAST_EXIT=0`` keeps
-    the normal exit.
+    the normal exit, and so does a rank that imported OneFlow: its teardown waits for its peers'.
+    Ended without it, a rank is gone while a slower peer still runs its exit handlers, whose OneFlow
+    control client then aborts it ("Machine 1 lost", SIGABRT) before its exit report: under load,
+    a healthy job's rank 0 was gated on its VmHWM (issue 64).
     """
-    if switched_off(FAST_EXIT_ENV):
+    if switched_off(FAST_EXIT_ENV) or "oneflow" in sys.modules:
         raise SystemExit(code)
     status = code if isinstance(code, int) else (0 if code is None else 1)
     threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - what Py_Finalize does first
