@@ -390,11 +390,36 @@ def test_a_failure_and_a_diff_name_the_sites_that_grew_top_3_in_markdown():
             "`+100.0 MiB  examples/a.py:60 train_step  (new)`, `+20.0 MiB  examples/a.py:61 train_step  (new)`") in text
     assert "a.py:62" not in text
     diff = report_diff.diff_reports([rec("t/a.py::test_x", "passed", old_size)], [failing])
-    assert diff.regressions[0].sites[:2] == ("+256.0 MiB  examples/a.py:57 train_step  (new)",
-                                             "+100.0 MiB  examples/a.py:60 train_step  (new)")
+    growth = diff.regressions[0].growth
+    assert growth is not None and growth.lines()[:2] == ["+256.0 MiB  examples/a.py:57 train_step  (new)",
+                                                          "+100.0 MiB  examples/a.py:60 train_step  (new)"]
     table = outputs.diff_table(diff)
     assert "t/a.py::test_x nproc=2: peak sites that grew" in table
     assert "**Peak sites that grew**" in outputs.diff_markdown(diff)
+
+
+def test_a_diff_explains_as_the_failure_does_and_its_markdown_puts_a_caller_chain_on_one_line():
+    """One explanation everywhere (issue 67, item 4): the diff's text lists the lines the failure
+    lists, and its Markdown the lines the failure's Markdown does, each site's callers on its line."""
+    from dataclasses import replace
+
+    from pytest_gpumem.judging.growth import site_growth
+
+    chain = ("examples/a.py:80 step", "tests/test_a.py:9 test_x")
+    held = (("examples/a.py:70 (list 'kept', append)", 256.0, 4),)
+    old = (_site("examples/a.py:40", 128.0),)
+    new = (*old, replace(_site("examples/a.py:57", 256.0), callers=chain, held_by=held))
+    growth = site_growth(old, new, "nproc=1")
+    failing = replace(rec("t/a.py::test_x", "failed/limit", measured(size(2, 700.0), sites={0: new}),
+                          messages=["over"]), grown_sites=growth.grown, grown_against="nproc=1")
+    diff = report_diff.diff_reports([rec("t/a.py::test_x", "passed", measured(size(2, 300.0), sites={0: old}))],
+                                    [failing])
+    one_line = ("+256.0 MiB  kept alive by examples/a.py:70 (list 'kept', append; 4 tensors), allocated at "
+                "examples/a.py:57 train_step  (new), called from examples/a.py:80 step ← tests/test_a.py:9 test_x")
+    assert f"`{one_line}`" in outputs.markdown([failing])
+    assert f"- `t/a.py::test_x` nproc=2: `{one_line}`" in outputs.diff_markdown(diff)
+    table = outputs.diff_table(diff)
+    assert "\n".join(f"  {line}" for line in growth.lines()) in "\n".join(table)
 
 
 def test_the_markdown_leads_each_failure_with_what_changed_since_the_baseline_and_the_top_grown_site():

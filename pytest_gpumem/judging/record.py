@@ -78,8 +78,10 @@ class SiteChange:
         return [self.line()] + [pad + text for text in self.called_from()]
 
     def brief(self) -> str:
-        """One line with the first caller: ``+64.0 MiB  model.py:18 forward  (new), called from train.py:25 step``."""
-        return self.line() + (f", called from {self.callers[0]}" if self.callers else "")
+        """:meth:`lines` on one line, for Markdown: ``+64.0 MiB  model.py:18 forward  (new), called from
+        train.py:25 step ← test_train.py:9 test_step``."""
+        chain = " ← ".join(line.removeprefix("called from ") for line in self.called_from())
+        return self.line() + (f", called from {chain}" if chain else "")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Iterable, Literal, get_args
 
 from ..config.spec import Tolerance, parse_tolerance
 from ..sampling.allocations import is_allocation_method
-from .growth import site_growth
+from .growth import Growth, site_growth
 from .record import SizeRecord, TestRecord
 from .verdict import against_reference
 
@@ -46,7 +46,7 @@ class DiffRow:
     allowance_mib: float | None = None
     tolerance: str = ""
     device: str = ""
-    sites: tuple[str, ...] = ()  # a regression's peak sites that grew, largest first
+    growth: Growth | None = None  # a regression's peak sites that grew, largest first, as a failure names them
     figure: str = ""  # "allocated": the GPU allocator's figure, compared at its own tolerance
 
     @property
@@ -113,7 +113,7 @@ def _diff_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | None,
         return DiffRow(test, nproc, old_mib, new_mib, "unmeasured", device=device)
     tolerance = _tolerance_of(old, new, override)
     kind, allowance = against_reference(new_mib, old_mib, tolerance)  # the baseline gate's own rule
-    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
+    sites = _grown_sites(old_size, new_size) if kind == "regression" else None
     return DiffRow(test, nproc, old_mib, new_mib, kind, allowance, str(tolerance), device, sites)
 
 
@@ -128,7 +128,7 @@ def _allocated_row(key: tuple[str, int], old: tuple[TestRecord, SizeRecord] | No
         return None
     tolerance = new_rec.spec.allocated_tolerance.resolve(exact=True)
     kind, allowance = against_reference(after, before, tolerance)
-    sites = _grown_sites(old_size, new_size) if kind == "regression" else ()
+    sites = _grown_sites(old_size, new_size) if kind == "regression" else None
     return DiffRow(key[0], key[1], before, after, kind, allowance, str(tolerance), new_size.device, sites,
                    "allocated")
 
@@ -139,13 +139,13 @@ def _fake_on_both_sides(old: tuple[TestRecord, SizeRecord] | None,
     return old is not None and new is not None and bool(old[1].measured.fake_gpu and new[1].measured.fake_gpu)
 
 
-def _grown_sites(old: SizeRecord, new: SizeRecord) -> tuple[str, ...]:
+def _grown_sites(old: SizeRecord, new: SizeRecord) -> Growth | None:
     """The gated rank's peak sites that grew from the old report to the new one."""
     before = old.measured.sites.get(old.gated_rank) if old.gated_rank is not None else None
     after = new.measured.sites.get(new.gated_rank) if new.gated_rank is not None else None
     if not before or not after:
-        return ()
-    return tuple(site_growth(before, after, "old").lines())
+        return None
+    return site_growth(before, after, "old")
 
 
 def diff_reports(old: Iterable[TestRecord], new: Iterable[TestRecord],

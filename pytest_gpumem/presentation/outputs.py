@@ -343,8 +343,8 @@ def diff_table(diff: ReportDiff) -> list[str]:
 
     out = [line(_DIFF_HEADER), line(["-" * w for w in widths]), *(line(r) for r in rows)]
     for row in diff.regressions:
-        if row.sites:
-            out += ["", f"{row.test} nproc={row.nproc}: peak sites that grew"] + [f"  {s}" for s in row.sites]
+        if row.growth is not None and row.growth.lines():  # as the failure reads
+            out += ["", f"{row.test} nproc={row.nproc}: peak sites that grew"] + [f"  {s}" for s in row.growth.lines()]
     return out + ["", f"gpumem diff: {diff.summary()}"]
 
 
@@ -362,11 +362,11 @@ def diff_markdown(diff: ReportDiff, old_label: str = "old", new_label: str = "ne
             if row.kind == "regression":
                 cells[-1] = "❌ REGRESSION"
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    grown = [row for row in diff.regressions if row.sites]
-    if grown:
+    grown = [row for row in diff.regressions if row.growth is not None and row.growth.grown]
+    if grown:  # as the failure's Markdown names them: one line a site, its caller chain on it
         lines += ["", "**Peak sites that grew**", ""]
-        lines += [f"- `{row.test}` nproc={row.nproc}: " + ", ".join(f"`{_cell(s)}`" for s in row.sites[:3])
-                  for row in grown]
+        lines += [f"- `{row.test}` nproc={row.nproc}: "
+                  + ", ".join(f"`{_cell(c.brief())}`" for c in row.growth.grown[:3]) for row in grown if row.growth]
     return "\n".join(lines) + "\n"
 
 
