@@ -262,6 +262,7 @@ SIZE_FIELDS = _per_rank_placed(tuple(Field(key, attr or key, kind) for key, attr
     ("predicted", "measured.prediction", "prediction"),
     ("allocated_predicted", "measured.allocated_prediction", "prediction"),
     ("simulated", "measured.simulated", "ranks"), ("fake_gpu", "measured.fake_gpu", "string"),
+    ("cuda_on_cpu", "measured.cuda_on_cpu", "string"),
     ("allocated_mib", "", "number"), ("allocated_baseline_mib", "", "number"))))
 TEST_FIELDS = tuple(Field(key, attr or key, kind) for key, attr, kind in (
     ("test", "", "test id"), ("status", "", "status"), ("cause", "", "cause"), ("nproc", "spec.nproc", "nproc"),

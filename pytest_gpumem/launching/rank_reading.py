@@ -12,6 +12,7 @@ from pathlib import Path
 from ..config.spec import Spec
 from ..oneflow import conversions
 from ..oneflow.boxing import read_records
+from ..oneflow.cuda_on_cpu import PROVENANCE_KEY as CUDA_ON_CPU_KEY
 from ..rankside import protocol
 from ..results.provenance import config_provenance
 from ..results.size import SizeResult
@@ -110,6 +111,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
         sites_notes=tuple(site_notes),
         fake_gpu=plan.fake_gpu or "",
         uncounted=tuple(dict.fromkeys(part for report in reports.values() for part in report.uncounted)),
+        cuda_on_cpu=provenance.get(CUDA_ON_CPU_KEY, ""),
         supplied=tuple(dict.fromkeys(line for report in reports.values()
                                      for line in (report.gpu_allocator or {}).get("fake_gpu", {}).get("supplied", []))),
     )

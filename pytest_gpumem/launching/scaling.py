@@ -16,15 +16,29 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..config.spec import Spec
+from ..oneflow.cuda_on_cpu import CUDA_ON_CPU_ENV
 from ..results.predict import PredictError, predict
 from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
 from .driver import TestDriver
 from .launched import SizeRun, TestRun
+from .launchers import launcher
 from .rank_groups import merged, rank_groups, ranks_to_simulate
 
 # The resident set of one rank before the test body runs: an interpreter with pytest and the plugin's
 # rank code imported (30.3 MiB measured, torch venv, Python 3.11); a framework adds to it.
 RANK_LEAST_MIB = 30.0
+
+
+def oneflow_without_torch() -> bool:
+    """OneFlow is installed in this interpreter (the ranks') and torch is not: a fake GPU runs torch only."""
+    import importlib.util
+
+    return importlib.util.find_spec("oneflow") is not None and importlib.util.find_spec("torch") is None
+
+
+def oneflow_launcher(spec: Spec) -> bool:
+    """The test's launcher runs OneFlow only (a launcher of a plugin's may not say: any framework)."""
+    return getattr(launcher(spec.launcher), "framework", None) == "oneflow"
 
 
 def host_memory_mib() -> float:
@@ -38,12 +52,14 @@ class Capacity:
 
     def __init__(self, max_nproc: int | None = None, predict: bool = True,
                  gpu_count: Callable[[], int] = lambda: 0,
-                 host_mib: Callable[[], float] = host_memory_mib) -> None:
+                 host_mib: Callable[[], float] = host_memory_mib,
+                 oneflow_only: Callable[[], bool] = oneflow_without_torch) -> None:
         self.max_nproc = max_nproc  # gpumem_max_nproc; None: the GPUs present decide
         self.predict = predict
         self._gpu_count = gpu_count  # asked once, and only when max_nproc is None and GPUs matter
         self._gpus: int | None = None
         self._host_mib = host_mib  # asked only when a size is large enough for it to matter
+        self._oneflow_only = oneflow_only  # asked only where a fake GPU would stand in
 
     def host_cap(self) -> tuple[int, str]:
         """The most ranks this host's memory can hold at all, and why."""
@@ -66,6 +82,11 @@ class Capacity:
         if spec.device != "gpu" or spec.fake_gpu == "off":
             return False
         return spec.fake_gpu == "on" or self.gpus(spec) is None
+
+    def cuda_on_cpu(self, spec: Spec) -> bool:
+        """Whether a fake GPU's test is a OneFlow job, known before its launch (OneFlow's launcher, or
+        OneFlow without torch here): it runs for real on the CPU instead (``cuda_on_cpu``)."""
+        return self.fake(spec) and (oneflow_launcher(spec) or self._oneflow_only())
 
     def cap(self, spec: Spec) -> tuple[int | None, str]:
         """(largest launchable size or None for no cap, where that number comes from)."""
@@ -95,9 +116,17 @@ class Plan:
     fake: bool = False  # every size on a fake GPU (rankside.fakegpu), each a simulated world
 
 
+def cuda_on_cpu(spec: Spec) -> Spec:
+    """A OneFlow job written for CUDA where a fake GPU would stand in (OneFlow has no fake tensors): every
+    size launched for real on host memory, its ranks reading CUDA as the CPU (``oneflow.cuda_on_cpu``)."""
+    return replace(spec, device="cpu", fake_gpu="auto", env=(*spec.env, (CUDA_ON_CPU_ENV, "1")))
+
+
 def plan(spec: Spec, capacity: Capacity) -> Plan:
     """Every size that fits is launched; the others are simulated (``simulate``), else predicted from
     at least two launched sizes, else shown as not launched. Nothing that fits is skipped."""
+    if capacity.cuda_on_cpu(spec):
+        return plan(cuda_on_cpu(spec), capacity)
     if capacity.fake(spec):  # nothing launched for real: every size, 1 too, a fake GPU's simulated world
         return Plan(launching(spec, ()), simulated=spec.sizes, fake=True,
                     why="a fake GPU" if spec.fake_gpu == "on" else "a fake GPU (this machine has no GPU)")

@@ -99,6 +99,7 @@ def _md_rows(record: TestRecord, with_floor: bool = False) -> list[str]:
             predicted = (", **predicted**" + ("" if size.validated else ", not validated: shown only")
                          if size.predicted else "") + (f", **fake GPU** ({m.fake_gpu})" if m.fake_gpu else
                                                        ", **simulated world**" if m.simulated else "")
+            predicted += f", **{m.cuda_on_cpu}**" if m.cuda_on_cpu else ""
             if m.uncounted:
                 predicted += f", **without its {', '.join(m.uncounted)}**"
             peak += f" ({size.gated_label}, {size.device}{predicted})"
@@ -309,6 +310,8 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
             props.append((f"{key}_simulated_ranks", ",".join(map(str, size.measured.simulated))))
         if size.measured.fake_gpu:
             props.append((f"{key}_fake_gpu", size.measured.fake_gpu))
+        if size.measured.cuda_on_cpu:
+            props.append((f"{key}_cuda_on_cpu", size.measured.cuda_on_cpu))
         if size.measured.supplied:
             props.append((f"{key}_fake_gpu_supplied", "; ".join(size.measured.supplied)))
     return props

@@ -211,6 +211,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
                  torch_allocator: "TorchAllocator") -> None:
     from ..oneflow.boxing import rank_provenance
     from ..oneflow.conversions import eager_provenance
+    from ..oneflow.cuda_on_cpu import cuda_on_cpu_provenance
     from ..oneflow.eager import write_records
     from ..sampling.allocations import METHOD as ALLOC_METHOD
     from ..sampling.identity import cpu_provenance, host_provenance
@@ -223,7 +224,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
         gpu_allocator["fake_gpu"] = fakegpu.describe()
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing")),
-                  **eager_provenance(protocol.rank_file(workdir, rank, "eager"))}
+                  **eager_provenance(protocol.rank_file(workdir, rank, "eager")), **cuda_on_cpu_provenance()}
     measured = tracker.startup if this_rank.startup is None else None  # a probe's
     protocol.write_exit(workdir, rank, protocol.ExitReport(
         pid=os.getpid(), maxrss_kib=peak_rss_kib(), alloc_peak_mib=alloc_mib, alloc_method=ALLOC_METHOD,
@@ -320,12 +321,14 @@ def main(argv: list[str]) -> None:
     import runpy
 
     from ..oneflow.boxing import install_graph_hook
+    from ..oneflow.cuda_on_cpu import cuda_on_cpu_requested, install_cuda_on_cpu
     from ..oneflow.eager import install_eager_hook
     from ..oneflow.rendezvous import install_oneflow_gate
     from ..sampling import identity  # noqa: F401  (loaded now rather than in the exit path: _report_exit)
     from ..sampling.allocations import AllocationTracker
     from . import fakegpu, protocol, simulate
     from .gpu_allocator import TorchAllocator
+    from .imports import after_import
 
     _die_with_parent()
     workdir = Path(os.environ[WORKDIR_ENV])
@@ -338,6 +341,8 @@ def main(argv: list[str]) -> None:
     fake_gpu = fakegpu.requested()
     if fake_gpu is not None:  # before the target imports torch: the CUDA shim must be in first
         fakegpu.install(fake_gpu, os.environ.get(fakegpu.CALIBRATION_ENV))
+    if cuda_on_cpu_requested():  # a OneFlow job written for CUDA, no GPU: before the job imports OneFlow
+        install_cuda_on_cpu(after_import)
     stack_file = open(protocol.rank_file(workdir, rank, "stack"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     install_oneflow_gate()  # costs nothing until oneflow is imported

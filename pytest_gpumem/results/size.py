@@ -78,6 +78,9 @@ class SizeResult:
     # A fake GPU: what it supplied that fake tensors lack (values read, sizes assumed, compiled code run
     # eagerly), each with the job's line (rankside.fakegpu.values): what the figure assumed.
     supplied: tuple[str, ...] = ()
+    # A OneFlow job written for CUDA run on the CPU (oneflow.cuda_on_cpu): its label, "host figure of a
+    # CUDA job mapped to the CPU"; "" otherwise. Its figure is the host figure, its device "cpu".
+    cuda_on_cpu: str = ""
 
     @property
     def predicted(self) -> bool:
@@ -93,6 +96,8 @@ class SizeResult:
         """What the figure stands on, next to the device: empty for a measurement of a real world."""
         if self.fake_gpu:
             return "fake GPU"
+        if self.cuda_on_cpu:
+            return self.cuda_on_cpu
         if self.simulated:
             return "simulated world"
         return "" if self.prediction is None else self.prediction.describe()

@@ -68,6 +68,7 @@ class LocalLauncher:
     name: str  # each subclass's own
     per_rank = False
     remote = False
+    framework: str | None = None  # the one framework its ranks run ("oneflow" for OneFlow's); None: any
 
     def plan(self, spec: Spec, nproc: int) -> GpuPlan | None:
         return None

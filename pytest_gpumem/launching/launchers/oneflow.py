@@ -20,6 +20,7 @@ class OneflowLaunch(Launch):
 
 class Oneflow(LocalLauncher):
     name = "oneflow"
+    framework = "oneflow"  # its ranks run OneFlow: a device="gpu" test without a GPU maps CUDA to the CPU
 
     def start(self, request: LaunchRequest, on_rank: Callable[[int, int], None], options: LauncherOptions) -> Launch:
         return OneflowLaunch(request, on_rank)

@@ -362,3 +362,22 @@ def test_on_a_gpu_the_part_above_the_floor_is_fitted_and_the_floor_added_back():
     assert above.as_dict()["floor_mib"] == 1452.0
     three = predict([(1, 3190.0), (2, 3476.0), (4, 3500.0)], 8, floors={1: 612.0, 2: 1452.0, 4: 1460.0})
     assert three.validated and three.floor_size == 4
+
+
+def test_a_oneflow_job_where_a_fake_gpu_would_stand_in_runs_every_size_for_real_with_cuda_on_the_cpu():
+    """OneFlow has no fake tensors: its device="gpu" test on a runner without a GPU is launched for real
+    on host memory, its ranks told to read CUDA as the CPU (oneflow.cuda_on_cpu); a torch job keeps the fake GPU."""
+    from pytest_gpumem.oneflow.cuda_on_cpu import CUDA_ON_CPU_ENV
+
+    both = Capacity(oneflow_only=lambda: False)  # torch installed too: only OneFlow's launcher tells
+    by_launcher = plan(spec(nproc=[1, 2], max_ratio=1.2, device="gpu", launcher="oneflow"), both)
+    assert not by_launcher.fake and by_launcher.simulated == () and by_launcher.launch.sizes == (1, 2)
+    assert by_launcher.launch.device == "cpu" and dict(by_launcher.launch.env)[CUDA_ON_CPU_ENV] == "1"
+    assert plan(spec(nproc=[1, 2], device="gpu"), both).fake  # the direct launcher: torch's fake GPU
+    no_torch = plan(spec(nproc=[1, 2], device="gpu", env={"A": "1"}), Capacity(oneflow_only=lambda: True))
+    assert no_torch.launch.device == "cpu" and dict(no_torch.launch.env) == {"A": "1", CUDA_ON_CPU_ENV: "1"}
+    # a GPU here, or a test not asking for one, or fake_gpu="off": nothing is mapped
+    two_gpus = Capacity(gpu_count=lambda: 2, oneflow_only=lambda: True)
+    assert plan(spec(nproc=[1, 2], device="gpu", launcher="oneflow"), two_gpus).launch.device == "gpu"
+    assert plan(spec(nproc=[1, 2], launcher="oneflow"), both).launch.env == ()
+    assert plan(spec(nproc=[1, 2], device="gpu", fake_gpu="off", launcher="oneflow"), both).launch.device == "gpu"
