@@ -250,9 +250,9 @@ OPTIONS: tuple[Option, ...] = (
            shown_default="predict", flag="--gpumem-no-predict"),
     Option("simulate", _choice(SIMULATE), "auto", "one of " + ", ".join(SIMULATE),
            "run sizes as a simulated world (torch): the gated rank (every rank for rank='all', and at the "
-           "smallest simulated size above 1 where none above 1 is launched; on GPUs as many at a time as there "
-           "are GPUs) alone with a stand-in "
-           "communicator keeping every tensor's size: its allocator figure is the real one. "
+           "smallest simulated size above 1 where none above 1 is launched, without assume; on GPUs as many "
+           "at a time as there are GPUs) alone with a stand-in communicator keeping every tensor's size: its "
+           "allocator figure is the real one. "
            "auto: the sizes that need more GPUs than there are; on: every size above 1; off: never (larger "
            "sizes are then predicted or shown as not launched). A marker's simulate wins"),
     Option("fake_gpu", _choice(FAKE_GPU), "auto", "one of " + ", ".join(FAKE_GPU),

@@ -18,14 +18,16 @@ from ..results.size import LINES, PER_RANK, PerRank
 from .launched import SizeRun
 
 
-def ranks_to_simulate(rank: int | str, world: int, simulated: tuple[int, ...],
-                      launched: tuple[int, ...]) -> tuple[int, ...]:
+def ranks_to_simulate(rank: int | str, world: int, simulated: tuple[int, ...], launched: tuple[int, ...],
+                      assumed: bool = False) -> tuple[int, ...]:
     """The ranks that run at a simulated world of ``world``: every one for ``rank="all"``; else the
     gated rank alone, but at the smallest world above 1 where none above 1 is launched for real
     (``launched``): there every rank runs, so that a job that crashes or hangs a rank other than the
-    gated one fails (rank 0 alone let a rank 1 that raised pass), at the cheapest such world."""
+    gated one fails (rank 0 alone let a rank 1 that raised pass), at the cheapest such world. Not where
+    received values are ``assumed`` (``assume=``): the assumption is the gated rank's, and another rank
+    fed it crashed where the real job does not (a collapsed router's rank 1: an empty all-to-all input)."""
     above = [n for n in simulated if n > 1]
-    every = not any(n > 1 for n in launched) and bool(above) and world == min(above)
+    every = not assumed and not any(n > 1 for n in launched) and bool(above) and world == min(above)
     return tuple(range(world)) if rank == "all" or every else (int(rank),)
 
 

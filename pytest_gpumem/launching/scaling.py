@@ -192,7 +192,7 @@ def run(driver: TestDriver, test_id: str, spec: Spec, capacity: Capacity) -> Tes
                            for n in fallback.unlaunched}
         chosen = replace(chosen, predicted=fallback.predicted)
     for n in simulated:
-        ranks = ranks_to_simulate(spec.rank, n, simulated, chosen.launch.sizes)
+        ranks = ranks_to_simulate(spec.rank, n, simulated, chosen.launch.sizes, spec.assume is not None)
         groups: list[SizeRun] = []
         for group in rank_groups(ranks, chosen.gpus, chosen.fake):  # ranks that fit the GPUs together
             groups.append(driver.simulate(test_id, spec, n, group, chosen.gpus, fake=chosen.fake))

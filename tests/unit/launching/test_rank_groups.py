@@ -49,3 +49,4 @@ def test_every_rank_runs_at_the_smallest_simulated_world_above_1_where_none_abov
     assert ranks_to_simulate(0, 8, (8,), (1, 2)) == (0,)  # 2 ran for real: every rank of it ran there
     assert ranks_to_simulate("all", 8, fake, ()) == tuple(range(8))
     assert ranks_to_simulate(0, 4, (4,), ()) == (0, 1, 2, 3)  # one size only: it is the smallest
+    assert ranks_to_simulate(0, 2, fake, (), assumed=True) == (0,)  # assume=: the gated rank's assumption
