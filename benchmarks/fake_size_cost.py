@@ -5,7 +5,9 @@
 All in one run, side by side on the same machine (the figures are disturbed alike by whatever else runs):
 
 1. The unit: importing torch and ``transformers`` (and ``LlamaForCausalLM``) in a fresh interpreter,
-   what every exec'd rank paid at every size. Median of ``--unit-runs``.
+   what every exec'd rank paid at every size. Median of ``--unit-runs``, and again just before and
+   after each session: a session's sizes are divided by the unit taken beside them (the load of a
+   shared machine changes over a run; each row prints its 5-minute load average).
 2. The breakdown of one exec'd rank's size, in a fresh interpreter that does what a rank does
    (``rankside.simulate``, ``rankside.fakegpu``, then the job): interpreter, imports of the rank code
    and pytest, the fake GPU's set-up with torch's import, ``transformers``, the model's construction,
@@ -264,21 +266,30 @@ def main() -> None:
         say()
         say("whole sessions, pytest --gpumem, one test of nproc=[1, 2, 8] each (every rank at 2, rank 0 alone at 1 "
             "and 8); a size: the report's duration_s, s")
-        rows = {}
+        rows, loads = {}, {}
         for job in ("tiny", "lm"):
             for label, extra in (("exec (before)", ("--gpumem-start=exec",)), ("served (after)", ())):
+                # the unit taken again just before and after the session: the ratio is to the unit under
+                # the same load (the 2 cores are shared; the load changes over a run)
+                around = unit(project, 1)
                 wall, sizes = session(project, [f"test_{job}.py"], *extra)
+                around += unit(project, 1)
+                loads[(job, label)] = os.getloadavg()[1]
                 rows[(job, label)] = (wall, {n: s["duration_s"] for n, s in sizes[f"test_{job}"].items()},
                                       {n: s["start"] for n, s in sizes[f"test_{job}"].items()},
-                                      {n: s["simulated"] for n, s in sizes[f"test_{job}"].items()})
-        say(f"{'job':6}{'start':>16}{'pytest':>9}{'nproc=1':>9}{'nproc=2':>9}{'nproc=8':>9}{'later size / unit':>20}"
-            "  ranks run")
-        for (job, label), (wall, durations, starts, ran) in rows.items():
+                                      {n: s["simulated"] for n, s in sizes[f"test_{job}"].items()},
+                                      statistics.mean(around))
+        say(f"{'job':6}{'start':>16}{'pytest':>9}{'nproc=1':>9}{'nproc=2':>9}{'nproc=8':>9}{'unit then':>11}"
+            f"{'later size / unit':>19}{'load':>6}  ranks run")
+        for (job, label), (wall, durations, starts, ran, then) in rows.items():
             later = statistics.mean([durations[2], durations[8]])
             say(f"{job:6}{label:>16}{wall:>9.1f}" + "".join(f"{durations[n]:>9.2f}" for n in (1, 2, 8))
-                + f"{later / u:>20.2f}  {ran} ({'/'.join(sorted(set(starts.values())))})")
-        say("(nproc=1 of the served rows includes starting the server: its imports, once a session)")
+                + f"{then:>11.2f}{later / then:>19.2f}{loads[(job, label)]:>6.1f}  {ran} "
+                + f"({'/'.join(sorted(set(starts.values())))})")
+        say("(nproc=1 of the served rows includes starting the server: its imports, once a session; 'unit then': "
+            "the unit's mean just before and after that session; load: the 5-minute load average after it, on 2 cores)")
         say()
+        around = unit(project, 1)
         suite_wall, suite = session(project, ["test_suite.py"])
         sizes = [s for test in suite.values() for s in test.values()]
         plain, _ = python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "test_suite.py",
@@ -287,12 +298,14 @@ def main() -> None:
         say(f"suite: 20 tiny tests x 3 sizes, pytest --gpumem: {suite_wall:.1f} s ({len(sizes)} sizes, "
             f"{', '.join(sorted({s['start'] for s in sizes}))}; mean size {mean:.2f} s); "
             f"plain pytest of the same tests {plain:.1f} s: --gpumem costs {suite_wall - plain:.1f} s more, "
-            f"{suite_wall / plain:.1f}x")
+            f"{suite_wall / plain:.1f}x; load {os.getloadavg()[1]:.1f}; "
+            f"the unit then {statistics.mean(around + unit(project, 1)):.2f} s")
         say()
-        tiny_after = statistics.mean([rows[("tiny", "served (after)")][1][n] for n in (2, 8)])
-        lm_after = statistics.mean([rows[("lm", "served (after)")][1][n] for n in (2, 8)])
-        for goal, value, limit in (("a tiny size <= 0.5 unit", tiny_after / u, 0.5),
-                                   ("the LM's size <= 2 units", lm_after / u, 2.0),
+        tiny, lm = rows[("tiny", "served (after)")], rows[("lm", "served (after)")]
+        tiny_after = statistics.mean([tiny[1][n] for n in (2, 8)]) / tiny[4]
+        lm_after = statistics.mean([lm[1][n] for n in (2, 8)]) / lm[4]
+        for goal, value, limit in (("a tiny size <= 0.5 unit", tiny_after, 0.5),
+                                   ("the LM's size <= 2 units", lm_after, 2.0),
                                    ("the suite < 180 s", suite_wall, 180.0)):
             say(f"goal {goal}: {value:.2f} {'met' if value <= limit else 'NOT met'}")
     if args.out:
