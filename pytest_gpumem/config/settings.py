@@ -266,8 +266,9 @@ OPTIONS: tuple[Option, ...] = (
            "what a scaling test does when no size above nproc=1 could be gated (too few GPUs, nothing "
            "simulated or predicted): auto = fail when CI is set, warn otherwise"),
     Option("fast_exit", _bool, "on", "on or off (also 1/0, true/false, yes/no)",
-           "ranks end without the interpreter's teardown once threads and atexit handlers are done "
-           "(off: the full teardown, 150-500 ms more per rank)", rank_env=True, env=FAST_EXIT_ENV),
+           "ranks but OneFlow's (its teardown waits for peers) end without the interpreter's teardown once "
+           "threads and atexit handlers are done (off: the full teardown, 150-500 ms more per rank)",
+           rank_env=True, env=FAST_EXIT_ENV),
     Option("start", _choice(("auto", "fork", "exec")), "auto", "one of auto, fork, exec",
            "how a direct launch starts its ranks. fork: from pytest, which has the test module and its "
            "frameworks imported already (no second interpreter, pytest start-up and collection: ~1.5 s a "
