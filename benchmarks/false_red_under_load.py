@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--commit", default="HEAD", help="the plugin's commit that the runs use")
     parser.add_argument("--out", type=Path, help="a JSON-lines file: one row a run, written as it ends")
     args = parser.parse_args()
+    # stopped with SIGTERM (a background job ignores SIGINT): the burners and the run go with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs = burners(args.burners)
     failed: dict[str, int] = {}
     ran: dict[str, int] = {}
