@@ -10,7 +10,8 @@ gate is a cap between the job's peak of live allocations and its ranks' resident
 so a rank gated on the wrong figure fails, and a rank whose figure is missing errors: any run not
 passed is counted, with its failure text. Each run's rank figures and their methods are kept.
 
-    python benchmarks/false_red_under_load.py --runs 50 [--burners 4] [--frameworks oneflow torch]
+    python benchmarks/false_red_under_load.py --runs 50 [--burners 4] [--frameworks oneflow torch] --out runs.jsonl
+    python benchmarks/false_red_under_load.py --summarize runs.jsonl   # the committed text, from the rows
 """
 
 from __future__ import annotations
@@ -91,6 +92,23 @@ def one_run(framework: str, job: Path, folder: Path, plugin: Path) -> dict[str, 
     return row
 
 
+def summarize(path: Path) -> str:
+    """The rows of a run as text: one line a run, then the counts by framework."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for row in rows:
+        gated, hwm = row.get("gated_mib"), row.get("vmhwm_mib")
+        figures = (" ".join(f"{float(v):.1f}" for v in gated.values()) if isinstance(gated, dict) else str(gated))
+        hwm_range = (f"{min(hwm.values()):.1f}-{max(hwm.values()):.1f}" if isinstance(hwm, dict) and hwm else "-")
+        lines.append(f"{row['framework']:8} run {row['run']:3}: {'passed' if row['rc'] == 0 else 'NOT PASSED'} in "
+                     f"{row['seconds']:6.1f} s; gated MiB by rank: {figures} ({', '.join(row.get('methods', []))}, "
+                     f"cap {CAPS[row['framework']]}); VmHWM {hwm_range} MiB")
+    for fw in sorted({row["framework"] for row in rows}):
+        mine = [row for row in rows if row["framework"] == fw]
+        lines.append(f"{fw}: {len(mine)} healthy 4-rank runs, {sum(row['rc'] != 0 for row in mine)} not passed")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
@@ -98,7 +116,11 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", default=["oneflow", "torch"], choices=sorted(PYTHONS))
     parser.add_argument("--commit", default="HEAD", help="the plugin's commit that the runs use")
     parser.add_argument("--out", type=Path, help="a JSON-lines file: one row a run, written as it ends")
+    parser.add_argument("--summarize", type=Path, help="print the text of an --out file's rows, run nothing")
     args = parser.parse_args()
+    if args.summarize is not None:
+        print(summarize(args.summarize))
+        return
     # stopped with SIGTERM (a background job ignores SIGINT): the burners and the run go with it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs = burners(args.burners)
