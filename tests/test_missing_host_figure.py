@@ -5,6 +5,8 @@ VmHWM, 538 MiB, against a 266 MiB limit). A rank that died keeps its labelled Vm
 Real launches: the job itself cuts its rank's exit short, as a framework's shutdown could.
 """
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.usefixtures("launch_tag")
@@ -35,7 +37,7 @@ def test_healthy():
 
 def test_a_rank_that_ended_well_without_its_peak_errors_and_a_dead_one_keeps_its_vmhwm(pytester):
     pytester.makepyfile(JOBS)
-    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-rA")
+    result = pytester.runpytest("--gpumem", "-p", "no:cacheprovider", "-rA", "--gpumem-report=report.json")
     result.assert_outcomes(passed=2, failed=1)
     text = result.stdout.str()
     cut = text.split("test_cuts_its_exit_short _")[1].split("short test summary")[0]
@@ -48,6 +50,11 @@ def test_a_rank_that_ended_well_without_its_peak_errors_and_a_dead_one_keeps_its
     assert "VmHWM" not in healthy and "passed" in healthy, healthy
     # rank 1 was killed before it reported: its figure is its VmHWM, shown as such (docs/measurement.md)
     assert "passed" in killed and "VmHWM" in killed, killed
+    # ...and a note names the rank and how it ended: its test passed, so nothing else says it died
+    tests = {t["test"].split("::")[-1]: t for t in json.loads((pytester.path / "report.json").read_text())["tests"]}
+    said = [n for n in tests["test_killed_at_its_exit"]["notes"] if n.startswith("rank 1 of 2: its test passed")]
+    assert said and "killed by SIGKILL" in said[0] and "high-water mark (VmHWM)" in said[0], said
+    assert not any("its test passed, but" in n for n in tests["test_healthy"]["notes"])
 
 
 def test_a_rank_whose_tracker_was_switched_off_keeps_its_vmhwm(pytester):

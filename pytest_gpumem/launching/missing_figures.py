@@ -17,7 +17,7 @@ from ..rankside import protocol
 from ..sampling import Peak
 from ..sampling.allocations import is_allocation_method
 from .failures import who
-from .supervise import LaunchResult
+from .supervise import LaunchResult, describe_returncode
 
 _LOG_LINES = 12
 
@@ -65,3 +65,25 @@ def missing_host_figures(nproc: int, workdir: Path, launch: LaunchResult, outcom
         log = "\n".join(launch.rank_log(workdir, rank).splitlines()[-_LOG_LINES:])
         problems.append(text + (f"; last lines of its output:\n{log}" if log.strip() else ""))
     return problems
+
+
+def died_after_passing(nproc: int, workdir: Path, launch: LaunchResult, outcomes: Mapping[int, protocol.RankResult],
+                       host_peaks: Mapping[int, Peak]) -> list[str]:
+    """A note per rank whose test passed but whose process died before its exit report: its figure is
+    its VmHWM, and the user would otherwise read "no rank died" (issue 64: OneFlow aborted a rank at exit)."""
+    notes = []
+    for rank in range(nproc):
+        peak, outcome = host_peaks.get(rank), outcomes.get(rank)
+        if peak is None or is_allocation_method(peak.method) or outcome is None or outcome.outcome != "passed":
+            continue
+        if not died(launch, outcome, rank):
+            continue
+        code = launch.returncodes.get(rank)
+        how = (describe_returncode(code) if code not in (None, 0) else "stopped by the plugin" if rank in launch.stopped
+               else f"its launcher exited {launch.launcher_returncode}" if launch.launcher_returncode not in (None, 0)
+               else f"the launch ended by {launch.end}")
+        log = "\n".join(launch.rank_log(workdir, rank).splitlines()[-_LOG_LINES:])
+        notes.append(f"{who(launch, rank)}: its test passed, but the rank ended ({how}) before its exit report: its "
+                     "host figure is its resident high-water mark (VmHWM), not its peak of live allocations"
+                     + (f"; last lines of its output:\n{log}" if log.strip() else ""))
+    return notes

@@ -25,7 +25,7 @@ from . import failures
 from .gpus import GpuPlan
 from .launched import SizeRun
 from .launchers import Launcher
-from .missing_figures import missing_host_figures
+from .missing_figures import died_after_passing, missing_host_figures
 from .rank_setup import nccl_defaults_note
 from .supervise import LaunchResult
 
@@ -129,6 +129,7 @@ def read_size_run(spec: Spec, nproc: int, workdir: Path, launch: LaunchResult, h
     run.problems = failures.problems(run.launch, run.outcomes, reading.context)
     if reading.tracked_host and not use_gpu:  # never gated on VmHWM for a rank that ended well
         run.problems += missing_host_figures(nproc, workdir, launch, run.outcomes, reports, host_peaks)
+        run.notes += died_after_passing(nproc, workdir, launch, run.outcomes, host_peaks)
     return run
 
 
