@@ -14,7 +14,8 @@ All in one run, side by side on the same machine (the figures are disturbed alik
    the job's ops under fake dispatch. The ops' time is then split by a profile of a second pass
    (fake dispatch, value tracking, the fake allocator's counting, the allocator history for peak sites).
    For a tiny model (2 layers, 128 wide) and the issue's LM (a Llama of 134M parameters, FSDP2, bf16
-   mixed precision, 2 micro-batches accumulated, clipping, 2 steps).
+   mixed precision, 2 micro-batches accumulated, clipping, 2 steps). After: the same for one rank forked
+   as the fake GPU's warm server forks it (the warm-up once, then fork, rank code, model, ops).
 3. Whole sessions, ``pytest --gpumem`` in a project of its own: each job as one test of nproc=[1, 2, 8]
    with ``--gpumem-start=exec`` (before: every rank exec'd) and by default (after: forked from the
    warm server); a size's cost is the report's ``duration_s`` (launch to every rank reaped).
@@ -179,6 +180,46 @@ print(json.dumps({"rank code and pytest": t1 - t0, "torch with the fake GPU": t2
 '''
 
 
+# One served rank's size: a process loads what the fake GPU's server loads (fork_server.WARM, the fake GPU),
+# then forks a child that does what a served rank does (the simulated world, the project's modules
+# afresh, then the job); each phase timed in the child, the warm-up once in the parent.
+AFTER = '''
+import time
+t0 = time.perf_counter()
+import importlib, json, os, sys
+from pytest_gpumem.launching.fork_server import WARM
+from pytest_gpumem.rankside import fakegpu
+fakegpu.install("NVIDIA H200")
+for name in WARM:
+    importlib.import_module(name)
+t1 = time.perf_counter()
+job = sys.argv[1]
+pid = os.fork()
+if pid == 0:
+    c0 = time.perf_counter()
+    from pytest_gpumem.rankside import simulate
+    from pytest_gpumem.rankside.gpu_allocator import TorchAllocator
+    simulate.install_world(simulate.world())
+    watch = TorchAllocator(history=True, root=None)
+    watch.install()
+    import fake_jobs
+    c1 = time.perf_counter()
+    if job == "lm":
+        from transformers import LlamaForCausalLM
+    c2 = time.perf_counter()
+    fake_jobs.start()
+    model = fake_jobs.build_lm() if job == "lm" else None
+    c3 = time.perf_counter()
+    fake_jobs.train_lm(model) if job == "lm" else fake_jobs.tiny(steps=2)
+    c4 = time.perf_counter()
+    print(json.dumps({"fork": c0 - t1, "rank code": c1 - c0, "transformers": c2 - c1, "model": c3 - c2,
+                      "ops": c4 - c3}), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(json.dumps({"warm-up, once a session": t1 - t0}))
+'''
+
+
 def python(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -203,6 +244,16 @@ def breakdown(project: Path, job: str) -> dict:
     bare, _ = python("-c", "pass", cwd=project, env=env)
     _, out = python("-c", PHASES, job, cwd=project, env=env)
     return {"interpreter": bare, **json.loads(out.strip().splitlines()[-1])}
+
+
+def served_breakdown(project: Path, job: str) -> dict:
+    env = {**environment(project), "GPUMEM_SIMULATED_RANK": "0/1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29518", "OMP_NUM_THREADS": "1"}
+    _, out = python("-c", AFTER, job, cwd=project, env=env)
+    found: dict = {}
+    for line in out.strip().splitlines()[-2:]:
+        found.update(json.loads(line))
+    return found
 
 
 def session(project: Path, tests: list[str], *args: str) -> tuple[float, dict[str, dict[int, dict]]]:
@@ -260,6 +311,15 @@ def main() -> None:
         say(f"{'job':6}" + "".join(f"{n:>26}" for n in names))
         for job, found in phases.items():
             say(f"{job:6}" + "".join(f"{found[n]:>26.2f}" for n in names))
+        say()
+        say("after: one served rank's size, phase by phase (a child forked from a process that loaded what the "
+            "server loads), s")
+        served = {job: served_breakdown(project, job) for job in ("tiny", "lm")}
+        after = ["warm-up, once a session", "fork", "rank code", "transformers", "model", "ops"]
+        say(f"{'job':6}" + "".join(f"{n:>26}" for n in after))
+        for job, found in served.items():
+            say(f"{job:6}" + "".join(f"{found[n]:>26.2f}" for n in after))
+        say("(transformers: the job imports it inside its function, after collection, so the server has not)")
         for job, found in phases.items():
             say(f"{job}: the ops' profile: " + ", ".join(f"{k} {v:.0%}" for k, v in found["shares"].items())
                 + " (the rest: torch's autograd and modules, the job's Python)")
