@@ -62,6 +62,17 @@ def test_a_list_an_attribute_a_global_and_a_saved_tensor_are_each_named_with_the
     assert len(found) == 6, found
 
 
+def test_an_optimizers_states_are_named_by_the_optimizer_and_the_states():
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    keys = {key_of(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0}  # no list holds them
+    found = holders.walk(keys, key_of)
+    assert {h.label() for h in found.values()} == {"AdamW's state (exp_avg, exp_avg_sq)"}, found
+    assert len(found) == 4  # exp_avg and exp_avg_sq of the weight and of the bias
+
+
 def test_a_storage_nothing_of_the_users_holds_is_not_named():
     lost = [torch.randn(8, 8)]
     key = key_of(lost[0])
@@ -197,4 +208,5 @@ def test_the_keep_logits_twins_fail_naming_the_append_and_a_kept_unsharded_fsdp_
         assert re.fullmatch(wanted, first), block[:3000]
     # reshard_after_forward=False: six 16 MiB layers' unsharded parameters live together after forward
     block = text[text.index("_ test_reshard _"):]
-    assert "kept alive by FSDP2's unsharded parameters kept after forward (reshard_after_forward=False on '0'" in block, block[:3000]
+    wanted = "kept alive by FSDP2's unsharded parameters kept after forward (reshard_after_forward=False on '0'"
+    assert wanted in block, block[:3000]

@@ -6,8 +6,9 @@ walks what its code can reach (the locals of every frame of its threads that is 
 globals of the user's modules), a few containers deep (lists, tuples, dicts, sets, an object's
 attributes), and names, for each large storage it finds, the variable and the line that stored into
 it: ``list 'kept' stored at train.py:63 (append)``. Storages held by autograd for backward are named
-by the node that saved them, and FSDP2's unsharded parameters kept after forward by the setting that
-keeps them (``reshard_after_forward=False``).
+by the node that saved them, an optimizer's by its states (``AdamW's state (exp_avg, exp_avg_sq)``), and
+FSDP2's unsharded parameters kept after forward by the setting that keeps them
+(``reshard_after_forward=False``).
 
 A walk costs what the job's live objects cost to visit (a few milliseconds for a training loop, a
 fraction of a second for a large model): it is taken as the peak grows by a step, within a share of
@@ -61,17 +62,40 @@ def walk(keys: set[int], key_of: Callable[[Any], int | None], root: Any = None,
     found: dict[int, Holder] = {}
     reach = _Reach(key_of)
     fsdp: dict[int, Any] = {}  # FSDP2 modules the user's variables name: their own holdings
+    optimizers: dict[int, Any] = {}  # optimizers they name: their states
     for kind, name, value, context in _roots(frames, modules):
         if hasattr(value, "_get_fsdp_state"):
             fsdp[id(value)] = value
+        if isinstance(getattr(value, "state", None), Mapping) and hasattr(value, "param_groups"):
+            optimizers[id(value)] = value
         for tensor in reach.tensors(value):
             key = key_of(tensor)
             if key is not None and key in keys and key not in found:
                 found[key] = _holder(kind, name, value, context, root, key_of)
     for key, holder in _fsdp_unsharded(keys - set(found), key_of, fsdp.values()).items():
         found.setdefault(key, holder)
+    for key, holder in _optimizer_states(keys - set(found), key_of, optimizers.values()).items():
+        found.setdefault(key, holder)
     for key, holder in _saved_for_backward(keys - set(found), key_of, reach.graphs).items():
         found.setdefault(key, holder)
+    return found
+
+
+def _optimizer_states(keys: set[int], key_of: Callable[[Any], int | None], optimizers: Any) -> dict[int, Holder]:
+    """The storages of ``keys`` that an optimizer keeps per parameter, named by the optimizer and its
+    states' names: ``AdamW's state (exp_avg, exp_avg_sq)``."""
+    found: dict[int, Holder] = {}
+    for optimizer in optimizers:
+        mine: list[int] = []
+        names: set[str] = set()
+        for per_param in list(optimizer.state.values()):
+            for name, value in list(per_param.items()) if isinstance(per_param, Mapping) else ():
+                key = key_of(value)
+                if key is not None and key in keys:
+                    mine.append(key)
+                    names.add(str(name))
+        holder = Holder(f"{type(optimizer).__name__}'s state ({', '.join(sorted(names))})", framework=True)
+        found.update((key, holder) for key in mine if key not in found)
     return found
 
 
