@@ -10,6 +10,7 @@ sweep's table explains. The whole sweep is `make test-long`'s (marked long).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,19 @@ def test_a_sample_of_each_family_trains_on_the_fake_gpu_at_every_world_and_reads
     assert {r["model"] for r in rows} == set(SAMPLE[family])
     assert len(rows) == len(SAMPLE[family]) * 6  # single, ddp, fsdp2 x fp32, bf16
     real = _real()
-    off = {f"{r['model']} {r['case']}": (real[key], r["mib"]) for r in rows
+    off = {(family, r["model"], r["case"]): r["mib"] for r in rows
            if (key := (family, r["model"], r["case"])) in real
            and abs(r["mib"] - real[key]) > max(GOAL * real[key], 0.1)}
-    assert off == {}, "beyond 1% of the GPU: explain them in the sweep's table or mend the fake GPU"
+    # beyond 1% only where the table lists the case as beyond, with the fake figure it lists there
+    listed = _beyond()
+    unlisted = {key: mib for key, mib in off.items() if abs(mib - listed.get(key, -1e9)) > max(0.005 * mib, 0.1)}
+    assert unlisted == {}, "beyond 1% of the GPU and not as the sweep's table lists it: explain it there or mend"
+
+
+def _beyond() -> dict[tuple[str, str, str], float]:
+    """The sweep's table's 'Beyond 1% of the GPU' cases: their fake figures."""
+    lines = re.findall(r"^(\w+) (\S+) (\S+): gpu [\d.]+ fake ([\d.]+)", (RESULTS / "table.txt").read_text(), re.M)
+    return {(family, model, case): float(fake) for family, model, case, fake in lines}
 
 
 def test_the_mixture_of_experts_models_say_that_grouped_mm_was_answered_by_its_cpu_kernel(tmp_path: Path) -> None:
