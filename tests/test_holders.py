@@ -139,6 +139,14 @@ def steps(model, keep):
     return kept
 
 
+def fsdp_rank():
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    return device
+
+
 @pytest.mark.gpumem(nproc=1, device="gpu", fake_gpu="on")
 def test_one_rank():
     torch.manual_seed(0)
@@ -150,10 +158,7 @@ def test_one_rank():
 def test_fsdp2():
     from torch.distributed.fsdp import fully_shard
 
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl")
-    torch.manual_seed(0)
+    device = fsdp_rank()
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16384))
     model.to(device)
     for layer in (model[0], model[2]):
@@ -167,10 +172,7 @@ def test_fsdp2():
 def test_reshard():
     from torch.distributed.fsdp import fully_shard
 
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl")
-    torch.manual_seed(0)
+    device = fsdp_rank()
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).to(device)
     for layer in model:
         fully_shard(layer, reshard_after_forward=os.environ.get("KEEP") != "1")

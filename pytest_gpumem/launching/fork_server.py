@@ -71,34 +71,18 @@ def server_key(env: Mapping[str, str], cwd: Path) -> tuple[tuple[str, str], ...]
     return (("cwd", str(cwd)),) + tuple(sorted(kept))
 
 
-class ServedRank:
-    """A rank forked by the server, supervised like a :class:`subprocess.Popen` (poll, wait, kill)."""
+class ServedRank(forking.ForkedRank):
+    """A rank forked by the server, supervised like a :class:`subprocess.Popen` (poll, wait, kill): the
+    server, its parent, reaps it and reports its exit."""
 
     def __init__(self, pid: int, server: ForkServer) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.server = server
-        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.server.exit_of(self.pid)
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        assert self.returncode is not None
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class ForkServer:
