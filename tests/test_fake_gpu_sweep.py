@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fake_gpu_sweep"
 SWEEP = ROOT / "benchmarks" / "fake_gpu_sweep.py"
 # Each family's sample: mixture-of-experts models (they crashed on grouped_mm's shape rule; PhiMoE's
-# router on max without keepdim), everyday ones, and those the GPU's run has figures of; a convolutional,
-# a windowed and a plain vision transformer.
-SAMPLE = {"causal_lm": ["mixtral", "qwen2_moe", "phimoe", "llama", "gpt2", "afmoe", "aria_text", "bart"],
-          "image_classification": ["vit", "resnet", "swin", "convnext", "efficientnet"]}
+# router on max without keepdim), everyday ones; a convolutional, a windowed and a plain vision
+# transformer. Kept small for make test's time (the whole families are the benchmark's).
+SAMPLE = {"causal_lm": ["mixtral", "qwen2_moe", "phimoe", "llama", "gpt2"],
+          "image_classification": ["vit", "resnet", "swin"]}
 GOAL = 0.01
 
 
