@@ -238,6 +238,8 @@ def installed(path: str) -> bool:
 def read_at_startup(name: str) -> bool:
     """Whether a variable is read as an interpreter or a library starts (a fork keeps its value)."""
     return name.startswith(_STARTUP_ENV) and not name.startswith(_LATE_ENV)
+
+
 _TORCH_DEFAULT_SEED = 67280421310721  # c10's default_rng_seed_val: a fresh interpreter's CPU generator
 
 
