@@ -1,10 +1,14 @@
-// pytest-gpumem's fake GPU: a CUDA device guard and CUDA hooks for torch's CPU build.
+// pytest-gpumem's fake GPU: a CUDA device guard and CUDA hooks for torch's CPU build, and for a CUDA
+// build on a machine without a CUDA driver.
 //
 // Loaded (RTLD_GLOBAL) before torch is imported: torch caches its CUDA hooks at the first call, and
 // without a CUDA device guard every copy into a fake CUDA tensor fails ("PyTorch is not linked with
 // support for cuda devices"), as does backward ("Cannot access accelerator device when none is
 // available"). c10's own FakeGuardImpl is the guard; the hooks say CUDA is built and available, with
 // no primary context, so nothing tries to start a real one; pinned memory is plain host memory.
+// A CUDA build's own guard and hooks ask the driver ("CUDA driver version is insufficient"): there the
+// shim is linked against libc10_cuda and libtorch_cuda, whose registrations run first, and replaces
+// them (a guard's registration is a plain store; the hooks' preferred priority wins over theirs).
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -25,7 +29,7 @@ struct GpumemFakeCUDAHooks final : CUDAHooksInterface {
   Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
   bool isPinnedPtr(const void* /*data*/) const override { return true; }
 };
-C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, GpumemFakeCUDAHooks)
+C10_REGISTER_CLASS_WITH_PRIORITY(CUDAHooksRegistry, CUDAHooks, c10::REGISTRY_PREFERRED, GpumemFakeCUDAHooks)
 }  // namespace at
 
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);

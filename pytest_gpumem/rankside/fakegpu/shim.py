@@ -2,8 +2,10 @@
 cached, and loaded before torch is imported.
 
 torch's CPU build has no CUDA device guard and caches its CUDA hooks at their first use, so the
-shim must be in the process before ``import torch``. It links against the torch it is built for,
-found without importing it; the cache key is the source, torch's version and its install path.
+shim must be in the process before ``import torch``. A CUDA build's own guard and hooks ask the driver:
+on a machine without one (a CPU runner that installed torch's default wheel) the shim replaces them too.
+It links against the torch it is built for, found without importing it; the cache key is the source,
+torch's version and its install path.
 """
 
 from __future__ import annotations
@@ -49,8 +51,21 @@ def torch_build(folder: Path) -> tuple[str, str | None]:
 
 
 def needed(folder: Path) -> bool:
-    """Only torch's CPU build needs the shim: a CUDA build has its own guard and hooks."""
-    return torch_build(folder)[1] is None
+    """torch's CPU build needs the shim; a CUDA build only where no CUDA driver is (its own guard and
+    hooks would ask for one)."""
+    return torch_build(folder)[1] is None or not driver_present()
+
+
+def driver_present() -> bool:
+    """A CUDA driver and a GPU node: ``libcuda.so.1`` loads and ``/dev/nvidiactl`` exists. Nothing is
+    initialised (a process that forks ranks must not start CUDA)."""
+    if not Path("/dev/nvidiactl").exists():
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def cache_dir() -> Path:
@@ -58,13 +73,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPUMEM_FAKE_GPU_CACHE") or Path(base) / "pytest-gpumem" / "fake-gpu")
 
 
-def _abi_flag(folder: Path) -> list[str]:
-    """torch's ``_GLIBCXX_USE_CXX11_ABI``, from its CMake config (the compiler's default otherwise)."""
+def _config_flags(folder: Path) -> list[str]:
+    """torch's C++ standard (its headers need C++20 from torch 2.14) and ``_GLIBCXX_USE_CXX11_ABI``, from
+    its CMake config (C++17 and the compiler's default otherwise)."""
+    flags = ["-std=c++17"]
     for config in folder.glob("share/cmake/Torch/TorchConfig.cmake"):
-        found = re.search(r"-D_GLIBCXX_USE_CXX11_ABI=([01])", config.read_text())
+        text = config.read_text()
+        standard = re.search(r"CXX_STANDARD\s+(\d+)", text)
+        flags = [f"-std=c++{standard.group(1) if standard else 17}"]
+        found = re.search(r"-D_GLIBCXX_USE_CXX11_ABI=([01])", text)
         if found:
-            return [f"-D_GLIBCXX_USE_CXX11_ABI={found.group(1)}"]
-    return []
+            flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={found.group(1)}")
+    return flags
 
 
 def compiler() -> str:
@@ -80,8 +100,11 @@ def build_shim(folder: Path | None = None) -> Path:
     from filelock import FileLock
 
     folder = folder or torch_dir()
-    version, _ = torch_build(folder)
+    version, cuda = torch_build(folder)
     key = hashlib.sha256(SOURCE.read_bytes() + f"\0{version}\0{folder.resolve()}".encode()).hexdigest()[:16]
+    # a CUDA build's: loaded with the shim (kept where a linker drops unused libraries), so that their
+    # registrations run first and ours over them
+    cuda_libs = ["-Wl,--no-as-needed", "-lc10_cuda", "-ltorch_cuda"] if cuda else []
     target = cache_dir() / f"fakecuda-{version.replace('+', '_')}-{key}.so"
     if target.exists():
         return target
@@ -93,9 +116,9 @@ def build_shim(folder: Path | None = None) -> Path:
         lib = folder / "lib"
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            command = [cxx, "-O1", "-shared", "-fPIC", "-std=c++17", "-w", *_abi_flag(folder),
+            command = [cxx, "-O1", "-shared", "-fPIC", "-w", *_config_flags(folder),
                        f"-I{folder / 'include'}", str(SOURCE), "-o", str(out),
-                       f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+                       f"-L{lib}", "-lc10", "-ltorch_cpu", *cuda_libs, f"-Wl,-rpath,{lib}"]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired as exc:

@@ -222,11 +222,30 @@ def test_attention_backward_keeps_dq_in_float32_as_the_h100_did(kernel: str, mib
 # ------------------------------------------------------------------------------------ the shim
 
 
-def test_the_shim_is_built_only_for_torch_cpu_builds(tmp_path: Path):
+def test_the_shim_is_built_for_torch_cpu_builds_and_for_cuda_builds_without_a_driver(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
     assert shim.torch_build(tmp_path) == ("2.13.0+cpu", None) and shim.needed(tmp_path)
     (tmp_path / "version.py").write_text("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n")
-    assert shim.torch_build(tmp_path) == ("2.11.0+cu130", "13.0") and not shim.needed(tmp_path)
+    assert shim.torch_build(tmp_path) == ("2.11.0+cu130", "13.0")
+    monkeypatch.setattr(shim, "driver_present", lambda: True)
+    assert not shim.needed(tmp_path)  # the CUDA build's own guard and hooks
+    monkeypatch.setattr(shim, "driver_present", lambda: False)
+    assert shim.needed(tmp_path)  # they would ask a driver that is not there
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a GPU node: the driver is there")
+def test_a_machine_without_a_gpu_node_has_no_driver_for_the_shim():
+    assert not shim.driver_present()
+
+
+def test_the_shim_is_compiled_for_the_cxx_standard_torch_says(tmp_path: Path):
+    cmake = tmp_path / "share" / "cmake" / "Torch"
+    cmake.mkdir(parents=True)
+    assert shim._config_flags(tmp_path) == ["-std=c++17"]  # noqa: SLF001 - no config: the default
+    (cmake / "TorchConfig.cmake").write_text("set_property(TARGET torch PROPERTY\n    CXX_STANDARD 20\n)\n"
+                                             'set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=1")\n')
+    assert shim._config_flags(tmp_path) == ["-std=c++20", "-D_GLIBCXX_USE_CXX11_ABI=1"]  # noqa: SLF001
 
 
 def test_without_a_compiler_the_shim_says_what_to_install(monkeypatch: pytest.MonkeyPatch):
