@@ -14,6 +14,7 @@ import types
 from types import ModuleType, SimpleNamespace
 from typing import Any, Iterator
 
+from . import shim
 from .accounting import FakeAllocator
 from .models import GpuModel
 
@@ -144,6 +145,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     properties = SimpleNamespace(**model.properties())
     queued = getattr(cuda, "_queued_calls", [])
     ours = len(queued)  # those queued before (torch's capability checks) are for a real device
+    fake_guard = shim.needed(shim.torch_dir())  # the shim's guard: a CPU build, or a CUDA build with no driver
 
     def initialise() -> None:
         """torch's lazy init, as far as a fake GPU has one: what waited for it runs now (the plugin's
@@ -189,7 +191,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         goes where the guard says, and went to cuda:0 on rank 1 (DDP's bucket and its grad then differed)."""
         _current["device"] = index
         setter = getattr(torch._C, "_accelerator_setDeviceIndex", None)  # noqa: SLF001 - c10's guard
-        if setter is not None and torch.version.cuda is None:  # the shim's fake guard (a CUDA build's is real)
+        if setter is not None and fake_guard:  # a CUDA build's own guard, where it is, is the real device's
             setter(index)
 
     def exchange(device: int) -> int:

@@ -1,0 +1,36 @@
+"""The fake GPU under torch's CUDA build on a machine without a CUDA driver: a CPU runner that installed
+torch's default wheel (the vision venv's torch 2.14.1 is one; marked vision). The build's own device
+guard and hooks ask the driver; the shim replaces them, and the example's figures are the CPU build's
+baselines (torch 2.13.0+cpu), within their tolerance.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.vision,
+              pytest.mark.skipif(torch.version.cuda is None, reason="torch's CPU build: make test's other runs"),
+              pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a GPU node: the build's own guard works")]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_cuda_job_on_torchs_cuda_build_without_a_driver_reads_the_cpu_builds_baselines(tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem",
+                           "examples/test_torch_cuda_fake.py::test_fsdp2_cuda", f"--junitxml={junit}"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    (case,) = ET.parse(junit).getroot().iter("testcase")
+    found = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert found["gpumem_status"] == "passed"
+    for nproc in (1, 2, 8):
+        gated = float(found[f"gpumem_nproc{nproc}_gated_mib"])
+        stored = float(found[f"gpumem_nproc{nproc}_baseline_mib"])
+        assert abs(gated - stored) <= 0.005 * stored, (nproc, gated, stored)
