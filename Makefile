@@ -10,6 +10,7 @@ OF := .venv-oneflow
 TO := .venv-torch
 FLOOR := .venv-floor
 DOCS := .venv-docs
+VISION := .venv-vision
 DEEPSPEED := 0.19.8
 MEGATRON := 0.19.2
 PYTEST_FLAGS ?= -p no:cacheprovider
@@ -55,6 +56,18 @@ $(TO)/frameworks/.ready: $(TO)/.ready tests/frameworks.txt tests/frameworks-deep
 	$(TO)/bin/python -m pip install -q --no-deps --target $(TO)/frameworks $(TO)/wheels/deepspeed-$(DEEPSPEED)-*.whl
 	touch $@
 
+# torchvision's and timm's models (the fake GPU's sweep, benchmarks/fake_gpu_sweep.py, and its sample in
+# make test): torchvision needs the torch it was built with, which is a CUDA build; the fake GPU runs it
+# on a machine without a driver as it runs the CPU build.
+$(VISION)/.ready: pyproject.toml tests/frameworks-vision.txt
+	test -n "$(PY311)"
+	rm -rf $(VISION)
+	$(PY311) -m venv $(VISION)
+	$(VISION)/bin/python -m pip install -q --upgrade pip
+	$(VISION)/bin/python -m pip install -q -r tests/frameworks-vision.txt
+	$(VISION)/bin/python -m pip install -q -e .
+	touch $@
+
 # The oldest versions pyproject.toml admits (tools/floor-requirements.txt), on the oldest Python.
 $(FLOOR)/.ready: pyproject.toml tools/floor-requirements.txt
 	test -n "$(PY310)"
@@ -67,9 +80,10 @@ $(FLOOR)/.ready: pyproject.toml tools/floor-requirements.txt
 
 # The plugin's own tests: lint and types first, then the docs site, everything in the torch venv, the
 # OneFlow-marked ones in the OneFlow venv, then the smoke tests at the dependency floors.
-test: venvs lint docs
+test: venvs lint docs $(VISION)/.ready
 	$(TO)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m "not long" tests
 	$(OF)/bin/python -m pytest $(PYTEST_FLAGS) -n 2 -m "oneflow and not long" tests
+	$(VISION)/bin/python -m pytest $(PYTEST_FLAGS) -m "vision and not long" tests/test_fake_gpu_sweep.py tests/test_fake_gpu_cuda_build.py
 	$(MAKE) test-floor
 
 # The wide validations a cheaper test in `make test` also covers (marked long): foreign models on the

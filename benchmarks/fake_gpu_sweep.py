@@ -36,7 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 MODES = ("single", "ddp", "fsdp2")  # one rank; rank 0 of 2 under DDP; rank 0 of 2 under FSDP2
 DTYPES = ("fp32", "bf16")  # fp32 weights; bf16 autocast over fp32 weights
-FAMILIES = ("causal_lm", "image_classification")
+FAMILIES = ("causal_lm", "image_classification")  # transformers' (the torch venv)
+# torchvision's and timm's: a venv of their own (torchvision needs a torch the torch venv does not pin;
+# `make vision-venv`), named with --families
+VISION_FAMILIES = ("tv_classification", "tv_segmentation", "tv_detection", "timm")
 MODEL_TIMEOUT_S = 120
 ROWS_ENV = "SWEEP_ROWS"  # a file to append each row to, as JSON lines
 LEVELS_ENV = "SWEEP_LEVELS"  # the levels chosen by the denominator's run, as JSON, for the workers
@@ -61,6 +64,15 @@ SEQ, BATCH = 128, 4
 # size from its own head count, or checks it). The denominator's run (--cpu) takes the first level that
 # trains on plain CPU torch, and the other runs read it from there (--levels): each side builds the same model.
 LEVELS = ("tiny", "tiny-heads")
+# torchvision's and timm's models are built as they ship (their own sizes; a timm family's smallest
+# variant): what is chosen is the input's side, the first that trains on plain CPU torch ("native": the
+# size the model's pretrained config names).
+VISION_LEVELS = {"tv_classification": ("64", "224", "299"), "tv_segmentation": ("128",), "tv_detection": ("128",),
+                 "timm": ("native",)}
+
+
+def levels_of(family: str) -> tuple[str, ...]:
+    return VISION_LEVELS.get(family, LEVELS)
 HEAD_KEYS = {"num_attention_heads", "num_key_value_heads", "head_dim", "n_head", "num_heads", "d_kv",
              "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
              "encoder_attention_heads", "decoder_attention_heads"}
@@ -107,6 +119,8 @@ def _shrunk(keys: dict[str, Any], level: str) -> dict[str, Any]:
 
 
 def architectures(family: str) -> list[str]:
+    if family in VISION_FAMILIES:
+        return _vision_architectures(family)
     from transformers.models.auto import modeling_auto
 
     names = {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -114,13 +128,38 @@ def architectures(family: str) -> list[str]:
     return sorted(names)
 
 
+def _vision_architectures(family: str) -> list[str]:
+    """Every model torchvision lists for the task; of each family (module) timm lists, its smallest model
+    (fewest parameters, built on the meta device; about 2.5 minutes for timm's 1371)."""
+    if family == "timm":
+        import timm
+        import torch
+
+        chosen = []
+        for module in sorted(timm.list_modules()):
+            sizes = {}
+            for name in timm.list_models(module=module):
+                with torch.device("meta"):
+                    sizes[name] = sum(p.numel() for p in timm.create_model(name, pretrained=False).parameters())
+            if sizes:
+                chosen.append(min(sizes, key=lambda name: (sizes[name], name)))
+        return sorted(set(chosen))
+    import torchvision.models as tv
+
+    module = {"tv_classification": tv, "tv_segmentation": tv.segmentation, "tv_detection": tv.detection}[family]
+    return sorted(tv.list_models(module=module))
+
+
 def build(family: str, model_type: str, device: str, level: str) -> tuple[Any, Callable[[], Any]]:
     """The model on ``device`` and a function giving one step's loss."""
     import torch
+
+    torch.manual_seed(0)
+    if family in VISION_FAMILIES:
+        return _build_vision(family, model_type, device, level)
     import transformers
 
     config = shrunk_config(transformers.AutoConfig, model_type, level)
-    torch.manual_seed(0)
     if family == "causal_lm":
         model = transformers.AutoModelForCausalLM.from_config(config)
         vocab = min(int(getattr(config, "vocab_size", 0) or getattr(getattr(config, "text_config", None),
@@ -136,6 +175,80 @@ def build(family: str, model_type: str, device: str, level: str) -> tuple[Any, C
     return model.to(device), lambda: model(pixel_values=pixels.to(device), labels=labels.to(device)).loss
 
 
+def _build_vision(family: str, name: str, device: str, level: str) -> tuple[Any, Callable[[], Any]]:
+    """A torchvision or timm model as its users train it: no weights, 10 classes, a batch of ``BATCH``;
+    classification on cross-entropy (an auxiliary head's loss added, as torchvision's reference scripts
+    do), segmentation on the pixels' cross-entropy, detection on the sum of its losses."""
+    import torch
+    import torch.nn.functional as F
+
+    if family == "timm":
+        import timm
+
+        model = timm.create_model(name, pretrained=False, num_classes=10)
+        side = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+        size: tuple[int, ...] = tuple(model.pretrained_cfg.get("input_size", (3, side, side)))
+    else:
+        import torchvision.models as tv
+
+        extra: dict[str, Any] = {"weights": None, "num_classes": 10}
+        if family != "tv_classification":
+            extra["weights_backbone"] = None
+        if family == "tv_detection" and not name.startswith("ssd"):
+            extra.update(min_size=int(level), max_size=int(level))
+        if name in ("googlenet", "inception_v3"):
+            extra["init_weights"] = True
+        model = tv.get_model(name, **extra)
+        size = (3, int(level), int(level))
+    model = model.to(device)
+    if family == "tv_detection":
+        images = [torch.rand(*size) for _ in range(BATCH)]
+        targets = [_target(name, size[-1], index) for index in range(BATCH)]
+
+        def detection_loss() -> Any:
+            losses = model([image.to(device) for image in images],
+                           [{key: value.to(device) for key, value in target.items()} for target in targets])
+            return sum(losses.values())
+        return model, detection_loss
+    pixels = torch.randn(BATCH, *size)
+    if family == "tv_segmentation":
+        masks = torch.randint(0, 10, (BATCH, size[-2], size[-1]))
+
+        def segmentation_loss() -> Any:
+            out = model(pixels.to(device))
+            target = masks.to(device)
+            return sum(F.cross_entropy(out[key], target) * (1.0 if key == "out" else 0.5) for key in out)
+        return model, segmentation_loss
+    labels = torch.randint(0, 10, (BATCH,))
+
+    def classification_loss() -> Any:
+        out = model(pixels.to(device))
+        target = labels.to(device)
+        if isinstance(out, tuple):  # GoogLeNet's and Inception's auxiliary heads
+            return F.cross_entropy(out[0], target) + sum(0.3 * F.cross_entropy(aux, target)
+                                                         for aux in out[1:] if aux is not None)
+        return F.cross_entropy(out, target)
+    return model, classification_loss
+
+
+def _target(name: str, side: int, index: int) -> dict[str, Any]:
+    """Two boxes with labels; masks and keypoints for the models that learn them."""
+    import torch
+
+    boxes = torch.tensor([[4.0 + index, 6.0, side / 2, side / 2 + 3], [side / 4, side / 3, side - 5.0, side - 2.0]])
+    target = {"boxes": boxes, "labels": torch.tensor([1, 2 + index % 3])}
+    if name.startswith("maskrcnn"):
+        masks = torch.zeros(2, side, side, dtype=torch.uint8)
+        for k, (x0, y0, x1, y1) in enumerate(boxes.int().tolist()):
+            masks[k, y0:y1, x0:x1] = 1
+        target["masks"] = masks
+    if name.startswith("keypointrcnn"):
+        points = torch.rand(2, 17, 3) * (side / 2) + side / 4
+        points[..., 2] = 1
+        target["keypoints"] = points
+    return target
+
+
 def wrap(model: Any, mode: str) -> Any:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -144,17 +257,37 @@ def wrap(model: Any, mode: str) -> Any:
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        blocks = set(getattr(model, "_no_split_modules", None) or ())
         owners: dict[int, int] = {}  # a parameter -> how many modules hold it (tied weights: two)
         for module in model.modules():
             for param in module.parameters(recurse=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
-        chosen = [module for module in list(model.modules())[1:] if type(module).__name__ in blocks
-                  and not any(owners[id(p)] > 1 for p in module.parameters())]  # a tied weight: the root's
+        chosen = [module for module in _blocks(model)
+                  if not any(owners[id(p)] > 1 for p in module.parameters())]  # a tied weight: the root's
         for module in reversed(chosen):  # chosen first (sharding replaces the parameters), then inner blocks first
             fully_shard(module)
         fully_shard(model)
     return model
+
+
+# Where a vision model keeps its blocks (timm's and torchvision's names), when it names none to keep whole.
+BLOCK_LISTS = ("blocks", "stages", "layers", "features", "layer1", "layer2", "layer3", "layer4", "backbone.body")
+
+
+def _blocks(model: Any) -> list[Any]:
+    """The modules FSDP2 shards one by one: those ``_no_split_modules`` names (transformers'), else the
+    entries of a vision model's block lists (timm's ``blocks``/``stages``, torchvision's ``features``,
+    ResNet's ``layerN``), else each child of the root that holds parameters."""
+    named = set(getattr(model, "_no_split_modules", None) or ())
+    if named:
+        return [module for module in list(model.modules())[1:] if type(module).__name__ in named]
+    found = []
+    for path in BLOCK_LISTS:
+        holder = model
+        for part in path.split("."):
+            holder = getattr(holder, part, None)
+        if holder is not None and hasattr(holder, "children"):
+            found += [child for child in holder.children() if any(True for _ in child.parameters())]
+    return found or [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def train(family: str, model_type: str, mode: str, dtype: str, device: str, level: str) -> dict[str, Any]:
@@ -206,13 +339,19 @@ def worker(family: str, mode: str, dtype: str, names: list[str], where: str, lev
 
         fakegpu.install(os.environ.get("SWEEP_FAKE_MODEL", "NVIDIA H200"), os.environ.get("SWEEP_CALIBRATION"))
     import torch
-    import transformers  # noqa: F401 - imported once, before the forks
 
+    if family in VISION_FAMILIES:
+        import torchvision  # noqa: F401 - imported once, before the forks
+        if family == "timm":
+            import timm  # noqa: F401
+    else:
+        import transformers  # imported once, before the forks
+
+        transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
     for name in names:
-        tries = [levels[name]] if name in levels else list(LEVELS)
+        tries = [levels[name]] if name in levels else list(levels_of(family))
         for level in tries:
             figure = _forked(lambda: _one(family, name, mode, dtype, where, world, level))
             if "error" not in figure:
@@ -282,7 +421,11 @@ def sweep(where: str, families: list[str], modes: list[str], dtypes: list[str], 
     plain CPU torch, built as they were there."""
     import subprocess
 
-    names = {f: [n for n in _names(f) if (not only or n in only) and (not levels or f"{f}/{n}" in levels)]
+    def listed(family: str) -> list[str]:  # the denominator's models, else the family's (timm's: minutes)
+        chosen = sorted(key.split("/", 1)[1] for key in levels if key.startswith(family + "/"))
+        return chosen if levels else _names(family)
+
+    names = {f: [n for n in listed(f) if (not only or n in only) and (not levels or f"{f}/{n}" in levels)]
              for f in families}
     size = {f: chunk or max(1, len(names[f])) for f in families}
     groups = [(f, m, d, names[f][i:i + size[f]]) for f in families for m in modes for d in dtypes
@@ -339,7 +482,8 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
 
     cpu_rows, fake_rows = index(cpu), index(fake)
     real_rows = index(real) if real else {}
-    lines = [f"torch {fake['torch']} (fake, {fake['device']}); transformers {fake['transformers']}"
+    libraries = "; ".join(f"{name} {fake[name]}" for name in ("transformers", "torchvision", "timm") if name in fake)
+    lines = [f"torch {fake['torch']} (fake, {fake['device']}); {libraries}"
              + (f"; real: {real['device']}, torch {real['torch']}" if real else ""),
              "", "| family | case | built + trained on CPU | runs on the fake GPU | stops naming an op | crashes |"
              + (" GPU ran | within 1% |" if real else ""),
@@ -430,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.levels:
         levels = {f"{r['family']}/{r['model']}": r["level"] for r in json.loads(args.levels.read_text())["rows"]
                   if r["case"] == "single/fp32" and "error" not in r}
-    head = {"where": where, "torch": _version("torch"), "transformers": _version("transformers"),
+    libraries = ("torchvision", "timm") if set(args.families.split(",")) <= set(VISION_FAMILIES) else ("transformers",)
+    head = {"where": where, "torch": _version("torch"), **{name: _version(name) for name in libraries},
             "device": _device(where), "command": " ".join(["python", "benchmarks/fake_gpu_sweep.py",
                                                            *(argv or sys.argv[1:])])}
     if ROWS_ENV in os.environ:  # the rows file's first line: what --merge needs to make it a run's document
