@@ -34,3 +34,29 @@ def test_a_cuda_job_on_torchs_cuda_build_without_a_driver_reads_the_cpu_builds_b
         gated = float(found[f"gpumem_nproc{nproc}_gated_mib"])
         stored = float(found[f"gpumem_nproc{nproc}_baseline_mib"])
         assert abs(gated - stored) <= 0.005 * stored, (nproc, gated, stored)
+
+
+# What a CUDA build's Python side and its C++ kernel choice would ask the driver: an LSTM asks cuDNN's
+# version (timm's Sequencer), and attention the fake GPU sends to the math kernel (fp32 with a mask of
+# strides no fused kernel takes; timm's Twins, NesT, SAM-ViT) went through the build's own choice.
+JOB = """
+import sys
+sys.path.insert(0, {root!r})
+from pytest_gpumem.rankside import fakegpu
+fakegpu.install("NVIDIA H200", None)
+import torch
+lstm = torch.nn.LSTM(16, 16, batch_first=True).cuda()
+out, _ = lstm(torch.randn(2, 5, 16, device="cuda"))
+q = torch.randn(2, 4, 8, 12, device="cuda", requires_grad=True)
+mask = torch.randn(2, 4, 8, 8, device="cuda").transpose(-1, -2)
+attended = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+(out.sum() + attended.sum()).backward()
+print("peak", torch.cuda.max_memory_allocated())
+"""
+
+
+def test_an_lstm_and_math_attention_run_on_the_cuda_build_without_a_driver() -> None:
+    done = subprocess.run([sys.executable, "-c", JOB.format(root=str(ROOT))], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("peak ")

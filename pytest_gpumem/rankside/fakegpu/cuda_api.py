@@ -292,6 +292,12 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     memory._snapshot = lambda device=None, **_: allocator.snapshot()  # noqa: SLF001
     memory._dump_snapshot = dump_snapshot  # noqa: SLF001
     torch.Tensor.record_stream = _own("record_stream", noop)  # a stream that orders nothing holds nothing
+    if fake_guard and torch.version.cuda is not None:
+        # cuDNN as the CPU build has it, none: a CUDA build's Python side would ask the shim's hooks its
+        # version. Set in the module's own namespace (torch.backends.cudnn is a wrapper of it), where
+        # version() and is_acceptable() look.
+        cudnn = torch.backends.cudnn.is_acceptable.__globals__
+        cudnn.update(is_available=_own("is_available", lambda: False), _init=_own("_init", lambda: False))
 
 
 def _jiterator(torch: ModuleType) -> Any:

@@ -610,6 +610,11 @@ def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
                   if isinstance(query, fake_type) and query.device.type == "cuda" else SDPA_MATH)
         if choice == SDPA_MATH:
             query, key, value, attn_mask = as_given
+            if isinstance(query, fake_type) and query.device.type == "cuda":
+                # the math kernel itself: a CUDA build would first ask the driver for its fused kernels
+                # (the same figure as the CPU build's path, which takes it directly)
+                return aten._scaled_dot_product_attention_math(  # noqa: SLF001
+                    query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         if choice == SDPA_FLASH:
