@@ -486,9 +486,9 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
     lines = [f"torch {fake['torch']} (fake, {fake['device']}); {libraries}"
              + (f"; real: {real['device']}, torch {real['torch']}" if real else ""),
              "", "| family | case | built + trained on CPU | runs on the fake GPU | stops naming an op | crashes |"
-             + (" GPU ran | within 1% |" if real else ""),
-             "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if real else "")]
-    notes, apart, beyond = [], [], []
+             + (" stops as on the GPU | GPU ran | within 1% |" if real else ""),
+             "| --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if real else "")]
+    notes, apart, beyond, same = [], [], [], []
     for family in sorted({k[0] for k in fake_rows}):
         for case in [f"{m}/{d}" for m in MODES for d in DTYPES]:
             keys = [k for k in fake_rows if k[0] == family and k[2] == case]
@@ -497,9 +497,14 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
             on_cpu = {k: cpu_rows.get((family, k[1], "single/fp32"), {"error": ""}) for k in keys}
             denominator = [k for k in keys if "error" not in on_cpu[k]]
             ran = [k for k in denominator if "error" not in fake_rows[k]]
-            named = [k for k in denominator if "error" in fake_rows[k] and op_of(fake_rows[k]["error"])]
-            crashed = [k for k in denominator if k not in ran and k not in named]
+            # stopped by what the GPU stops at too (the wrapper's or the model's own error): not the fake GPU's
+            alike = [k for k in denominator if "error" in fake_rows[k]
+                     and _same_error(fake_rows[k]["error"], real_rows.get(k, {}).get("error"))]
+            named = [k for k in denominator if "error" in fake_rows[k] and k not in alike
+                     and op_of(fake_rows[k]["error"])]
+            crashed = [k for k in denominator if k not in ran and k not in named and k not in alike]
             row = f"| {family} | {case} | {len(denominator)} | {len(ran)} | {len(named)} | {len(crashed)} |"
+            row += f" {len(alike)} |" if real else ""
             if real:
                 both = [k for k in ran if "mib" in real_rows.get(k, {})]
                 both = [k for k in both if real_rows[k].get("level") == fake_rows[k].get("level")]  # the same model
@@ -508,13 +513,21 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
                 beyond += [_beyond(k, real_rows[k]["mib"], fake_rows[k]["mib"]) for k in both if k not in near]
             lines.append(row)
             notes += [f"{k[0]} {k[1]} {k[2]}: {fake_rows[k]['error']}" for k in named + crashed]
+            same += [f"{k[0]} {k[1]} {k[2]}: {fake_rows[k]['error']}" for k in alike]
         apart += sorted({f"{family} {k[1]}: {cpu_rows[k]['error']}" for k in cpu_rows
                          if k[0] == family and "error" in cpu_rows[k]})
     lines += ["", "Did not run on the fake GPU (of the denominator):", *(notes or ["(none)"])]
     if real:
+        lines += ["", "Stopped on the GPU too, with the same error (not the fake GPU's):", *(same or ["(none)"])]
+    if real:
         lines += ["", "Beyond 1% of the GPU:", *(beyond or ["(none)"])]
     lines += ["", "Not in the denominator (did not build or train on plain CPU torch):", *(apart or ["(none)"])]
     return "\n".join(lines)
+
+
+def _same_error(fake: str, real: str | None) -> bool:
+    """The same exception with the same start of its message (a repr of a module differs after it)."""
+    return real is not None and fake.split("(")[0] == real.split("(")[0]
 
 
 def _beyond(key: tuple[str, str, str], real: float, fake: float) -> str:
