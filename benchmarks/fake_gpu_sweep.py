@@ -488,7 +488,7 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
              "", "| family | case | built + trained on CPU | runs on the fake GPU | stops naming an op | crashes |"
              + (" stops as on the GPU | GPU ran | within 1% |" if real else ""),
              "| --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if real else "")]
-    notes, apart, beyond, same = [], [], [], []
+    notes, apart, beyond, same, cut = [], [], [], [], []
     for family in sorted({k[0] for k in fake_rows}):
         for case in [f"{m}/{d}" for m in MODES for d in DTYPES]:
             keys = [k for k in fake_rows if k[0] == family and k[2] == case]
@@ -496,6 +496,9 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
                 continue
             on_cpu = {k: cpu_rows.get((family, k[1], "single/fp32"), {"error": ""}) for k in keys}
             denominator = [k for k in keys if "error" not in on_cpu[k]]
+            trained = sum(1 for k, r in cpu_rows.items() if k[0] == family and "error" not in r)
+            if len(denominator) < trained:  # a run cut short: the rest of the family has no row yet
+                cut.append(f"{family} {case}: {len(denominator)} of the {trained} the denominator holds")
             ran = [k for k in denominator if "error" not in fake_rows[k]]
             # stopped by what the GPU stops at too (the wrapper's or the model's own error): not the fake GPU's
             alike = [k for k in denominator if "error" in fake_rows[k]
@@ -516,6 +519,8 @@ def table(cpu: dict[str, Any], fake: dict[str, Any], real: dict[str, Any] | None
             same += [f"{k[0]} {k[1]} {k[2]}: {fake_rows[k]['error']}" for k in alike]
         apart += sorted({f"{family} {k[1]}: {cpu_rows[k]['error']}" for k in cpu_rows
                          if k[0] == family and "error" in cpu_rows[k]})
+    if cut:
+        lines += ["", "Cases with rows for part of the family only (a run cut short):", *cut]
     lines += ["", "Did not run on the fake GPU (of the denominator):", *(notes or ["(none)"])]
     if real:
         lines += ["", "Stopped on the GPU too, with the same error (not the fake GPU's):", *(same or ["(none)"])]
