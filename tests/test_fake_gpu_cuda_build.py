@@ -51,7 +51,9 @@ q = torch.randn(2, 4, 8, 12, device="cuda", requires_grad=True)
 mask = torch.randn(2, 4, 8, 8, device="cuda").transpose(-1, -2)
 attended = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
 (out.sum() + attended.sum()).backward()
-print("peak", torch.cuda.max_memory_allocated())
+print("peak", torch.cuda.max_memory_allocated(), flush=True)
+import os
+os._exit(0)  # as a rank ends: the interpreter's teardown can abort on autograd's device threads
 """
 
 
