@@ -1,8 +1,9 @@
 """The fake GPU over whole families of models nobody here wrote: every causal-LM and image-classification
-architecture ``transformers`` ships, each built from its config shrunk to a tiny size (no weights) and
-trained two steps as its users train it (AdamW), on one rank, as rank 0 of a world of 2 under DDP, and
-under FSDP2 (``fully_shard`` per block, as ``_no_split_modules`` names them), in fp32 and under bf16
-autocast.
+architecture ``transformers`` ships, each built from its config shrunk to a tiny size (no weights), and
+(in the vision venv) torchvision's classification, segmentation and detection models and each timm
+family's smallest model as they ship; each trained two steps as its users train it (AdamW), on one rank,
+as rank 0 of a world of 2 under DDP, and under FSDP2 (``fully_shard`` per block, as
+``_no_split_modules`` or the model's block lists name them), in fp32 and under bf16 autocast.
 
     python benchmarks/fake_gpu_sweep.py --cpu  --out cpu.json    # the denominator: trains on plain CPU torch
     python benchmarks/fake_gpu_sweep.py        --out fake.json   # on a fake GPU (here)
@@ -37,8 +38,8 @@ MiB = 2**20
 MODES = ("single", "ddp", "fsdp2")  # one rank; rank 0 of 2 under DDP; rank 0 of 2 under FSDP2
 DTYPES = ("fp32", "bf16")  # fp32 weights; bf16 autocast over fp32 weights
 FAMILIES = ("causal_lm", "image_classification")  # transformers' (the torch venv)
-# torchvision's and timm's: a venv of their own (torchvision needs a torch the torch venv does not pin;
-# `make vision-venv`), named with --families
+# torchvision's and timm's: a venv of their own (make's .venv-vision: torchvision needs the torch it was
+# built with, a CUDA build), named with --families
 VISION_FAMILIES = ("tv_classification", "tv_segmentation", "tv_detection", "timm")
 MODEL_TIMEOUT_S = 120
 ROWS_ENV = "SWEEP_ROWS"  # a file to append each row to, as JSON lines
@@ -186,8 +187,7 @@ def _build_vision(family: str, name: str, device: str, level: str) -> tuple[Any,
         import timm
 
         model = timm.create_model(name, pretrained=False, num_classes=10)
-        side = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-        size: tuple[int, ...] = tuple(model.pretrained_cfg.get("input_size", (3, side, side)))
+        size: tuple[int, ...] = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
     else:
         import torchvision.models as tv
 
