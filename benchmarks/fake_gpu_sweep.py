@@ -249,7 +249,7 @@ def _target(name: str, side: int, index: int) -> dict[str, Any]:
     return target
 
 
-def wrap(model: Any, mode: str) -> Any:
+def wrap(model: Any, mode: str, family: str) -> Any:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -261,7 +261,7 @@ def wrap(model: Any, mode: str) -> Any:
         for module in model.modules():
             for param in module.parameters(recurse=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
-        chosen = [module for module in _blocks(model)
+        chosen = [module for module in _blocks(model, family)
                   if not any(owners[id(p)] > 1 for p in module.parameters())]  # a tied weight: the root's
         for module in reversed(chosen):  # chosen first (sharding replaces the parameters), then inner blocks first
             fully_shard(module)
@@ -273,12 +273,12 @@ def wrap(model: Any, mode: str) -> Any:
 BLOCK_LISTS = ("blocks", "stages", "layers", "features", "layer1", "layer2", "layer3", "layer4", "backbone.body")
 
 
-def _blocks(model: Any) -> list[Any]:
-    """The modules FSDP2 shards one by one: those ``_no_split_modules`` names (transformers'), else the
-    entries of a vision model's block lists (timm's ``blocks``/``stages``, torchvision's ``features``,
-    ResNet's ``layerN``), else each child of the root that holds parameters."""
-    named = set(getattr(model, "_no_split_modules", None) or ())
-    if named:
+def _blocks(model: Any, family: str) -> list[Any]:
+    """The modules FSDP2 shards one by one: those ``_no_split_modules`` names (transformers'; none: the
+    root alone); a vision model's, the entries of its block lists (timm's ``blocks``/``stages``,
+    torchvision's ``features``, ResNet's ``layerN``), else each child of the root that holds parameters."""
+    if family not in VISION_FAMILIES:
+        named = set(getattr(model, "_no_split_modules", None) or ())
         return [module for module in list(model.modules())[1:] if type(module).__name__ in named]
     found = []
     for path in BLOCK_LISTS:
@@ -297,7 +297,7 @@ def train(family: str, model_type: str, mode: str, dtype: str, device: str, leve
     started = time.perf_counter()
     model, loss_of = build(family, model_type, device, level)
     model.train()
-    wrapped = wrap(model, mode)
+    wrapped = wrap(model, mode, family)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
     for _ in range(2):
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16"):
