@@ -4,8 +4,9 @@
 Every sampled model trains two steps on a fake GPU at world 1 and as rank 0 of 2 under DDP and FSDP2,
 in fp32 and under bf16 autocast, built as it trained on plain CPU torch (the sweep's denominator); each
 figure reads within 1% of the same model's on a GPU, where the GPU's run has it, or differs by what the
-sweep's table explains. The whole sweep is `make test-long`'s (marked long). torchvision's and timm's
-families run in the vision venv (marked vision: torch's CUDA build, on a machine with no driver here).
+sweep's table explains. The whole families are the benchmark's (its table has the commands).
+torchvision's and timm's families run in the vision venv (marked vision: torch's CUDA build, on a
+machine with no driver here).
 """
 
 from __future__ import annotations
