@@ -43,16 +43,16 @@ def install(name: str, calibration: str | None = None) -> None:
     model = models.model(name, Path(calibration) if calibration else None)
     if active.get("model") == model:  # a rank forked from the fake GPU's warm server: installed there
         return
-    shim.load()
+    guarded = shim.load() is not None  # the shim's guard and hooks: a CPU build, or a CUDA one with no driver
     allocator = FakeAllocator(model.cublas_workspace, model.cublaslt_workspace)
     active.update(model=model, allocator=allocator)
-    after_import("torch", lambda torch: _arm(torch, allocator, model))
+    after_import("torch", lambda torch: _arm(torch, allocator, model, guarded))
 
 
-def _arm(torch: ModuleType, allocator: Any, model: Any) -> None:
+def _arm(torch: ModuleType, allocator: Any, model: Any, guarded: bool) -> None:
     from . import cuda_api, dispatch
 
-    cuda_api.install_cuda_api(torch, allocator, model)
+    cuda_api.install_cuda_api(torch, allocator, model, guarded)
     active["mode"] = dispatch.install_dispatch(torch, allocator, model)
 
 

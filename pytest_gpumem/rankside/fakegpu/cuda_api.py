@@ -14,7 +14,6 @@ import types
 from types import ModuleType, SimpleNamespace
 from typing import Any, Iterator
 
-from . import shim
 from .accounting import FakeAllocator
 from .models import GpuModel
 
@@ -139,13 +138,13 @@ def _own(name: str, value: Any) -> Any:
     return value
 
 
-def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuModel) -> None:
-    """Replace what a CPU build of ``torch.cuda`` cannot answer; nothing of the real GPU is touched."""
+def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuModel, guarded: bool) -> None:
+    """Replace what a CPU build of ``torch.cuda`` cannot answer; nothing of the real GPU is touched.
+    ``guarded``: the shim's device guard and hooks are loaded (not a CUDA build's own, with a driver)."""
     cuda = torch.cuda
     properties = SimpleNamespace(**model.properties())
     queued = getattr(cuda, "_queued_calls", [])
     ours = len(queued)  # those queued before (torch's capability checks) are for a real device
-    fake_guard = shim.needed(shim.torch_dir())  # the shim's guard: a CPU build, or a CUDA build with no driver
 
     def initialise() -> None:
         """torch's lazy init, as far as a fake GPU has one: what waited for it runs now (the plugin's
@@ -191,7 +190,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         goes where the guard says, and went to cuda:0 on rank 1 (DDP's bucket and its grad then differed)."""
         _current["device"] = index
         setter = getattr(torch._C, "_accelerator_setDeviceIndex", None)  # noqa: SLF001 - c10's guard
-        if setter is not None and fake_guard:  # a CUDA build's own guard, where it is, is the real device's
+        if setter is not None and guarded:  # a CUDA build's own guard, where it is, is the real device's
             setter(index)
 
     def exchange(device: int) -> int:
@@ -292,7 +291,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
     memory._snapshot = lambda device=None, **_: allocator.snapshot()  # noqa: SLF001
     memory._dump_snapshot = dump_snapshot  # noqa: SLF001
     torch.Tensor.record_stream = _own("record_stream", noop)  # a stream that orders nothing holds nothing
-    if fake_guard and torch.version.cuda is not None:
+    if guarded and torch.version.cuda is not None:
         # cuDNN as the CPU build has it, none: a CUDA build's Python side would ask the shim's hooks its
         # version. Set in the module's own namespace (torch.backends.cudnn is a wrapper of it), where
         # version() and is_acceptable() look.

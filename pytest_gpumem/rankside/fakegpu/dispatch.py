@@ -602,17 +602,17 @@ def _attention(torch: ModuleType, model: GpuModel, fake_type: Any) -> None:
                                      dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
                                      enable_gqa: bool = False) -> Any:
         as_given = (query, key, value, attn_mask)
-        if isinstance(query, fake_type) and query.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        fake_cuda = isinstance(query, fake_type) and query.device.type == "cuda"
+        if fake_cuda and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
             query, key, value, attn_mask = (t.to(dtype) if t is not None and t.is_floating_point() else t
                                             for t in as_given)
         choice = (_sdp_choice(torch, model, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-                  if isinstance(query, fake_type) and query.device.type == "cuda" else SDPA_MATH)
+                  if fake_cuda else SDPA_MATH)
         if choice == SDPA_MATH:
             query, key, value, attn_mask = as_given
-            if isinstance(query, fake_type) and query.device.type == "cuda":
-                # the math kernel itself: a CUDA build would first ask the driver for its fused kernels
-                # (the same figure as the CPU build's path, which takes it directly)
+            if fake_cuda:  # the math kernel itself: a CUDA build's own choice would ask the driver (the
+                # CPU build's path takes the same kernel)
                 return aten._scaled_dot_product_attention_math(  # noqa: SLF001
                     query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
