@@ -115,7 +115,7 @@ def main() -> None:
                 out.append(f"  nproc={nproc}, {label}: {len(part)} runs, spread {max(part) - min(part):.3f} MiB")
         spread = max(got) - min(got)
         out.append(f"  nproc={nproc}: {len(got)} runs, {min(got):.3f} .. {max(got):.3f}, spread {spread:.3f} MiB; "
-                   f"the test allows {ALLOWED_SPREAD_MIB[nproc]} MiB over its 3 runs")
+                   f"the test allows {ALLOWED_SPREAD_MIB[name, nproc]} MiB over its 3 runs")
     text = "\n".join(out) + "\n\n"
     print(text)
     with RESULTS.open("a") as fh:

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 from jobs import TORCH_PP
 
+from conftest import GLOO_TRANSIENT_MIB  # gloo's own buffers, which a simulated rank has none of
+
 # Imported before pytester's first snapshot of sys.modules (see test_reference.py).
 pytest.importorskip("torch")
 
 MARGIN_MIB = 1.0  # real - simulated, per rank: 0.2 MiB at 2 and 4 (parallelism_validation.txt)
-GLOO_TRANSIENT_MIB = 4.0  # gloo's own buffers, which a simulated rank has none of
 
 
 def run(pytester: pytest.Pytester, tests: str, report: Path) -> tuple[pytest.RunResult, dict[str, dict]]:

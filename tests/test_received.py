@@ -12,11 +12,12 @@ import json
 import pytest
 from jobs import TORCH_MOE, moe_expert_lines
 
+from conftest import GLOO_TRANSIENT_MIB  # gloo's own buffers, which a simulated rank has none of
+
 # Imported before pytester's first snapshot of sys.modules (see test_reference.py).
 pytest.importorskip("torch")
 
 MARGIN_MIB = 1.0  # real - simulated: host figures rerun within 0.4 MiB (simulate_validation.txt)
-GLOO_TRANSIENT_MIB = 4.0  # gloo's own buffers, which a simulated rank has none of
 
 
 def both(router: str) -> str:
