@@ -170,10 +170,12 @@ _FILLERS_BY_CONTRACT = {
     "plugin.py:pytest_collection_modifyitems", "plugin.py:_finish",
     "rankside/simulate.py:all_gather_object", "rankside/simulate.py:gather_object",
     "rankside/simulate.py:scatter_object_list",
-    "rankside/fakegpu/cuda_api.py:install_cuda_api", "rankside/fakegpu/dispatch.py:_storage_resize",
-    # the fake GPU's mends patch torch and the job's modules, and record into the value policy's collector
-    "rankside/fakegpu/dispatch.py:_compile_runs_eagerly", "rankside/fakegpu/dispatch.py:fake_call",
-    "rankside/fakegpu/dispatch.py:fakes_replaced", "rankside/gpu_allocator.py:_hold_peaks_across_resets",
+    "rankside/fakegpu/cuda_api.py:install_cuda_api", "rankside/gpu_allocator.py:_hold_peaks_across_resets",
+    # the fake GPU's mends patch torch and the job's modules, and record into the value policy's collector;
+    # its fake mode registers higher-order operators' rules for its own class
+    "rankside/fakegpu/mends/storage_resize.py:_patch", "rankside/fakegpu/mends/compile_eager.py:_patch",
+    "rankside/fakegpu/mends/ties.py:fakes_replaced", "rankside/fakegpu/dispatch.py:_counting_mode",
+    "rankside/fakegpu/dispatch.py:run_fake",
     "oneflow/rendezvous.py:exec_and_wrap", "oneflow/eager.py:wrap_to_global",
     # drops the snapshot of a frame's locals it read, which kept the user's dropped tensors alive
     "sampling/holders.py:_locals",

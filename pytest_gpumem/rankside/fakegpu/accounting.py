@@ -33,6 +33,13 @@ MACHINERY = ("/torch/_subclasses/", "/torch/_ops.py", "/torch/utils/_stats.py", 
              "/torch/_dynamo/eval_frame.py", "/torch/utils/_python_dispatch.py")
 
 
+class _Depth(threading.local):
+    depth = 0
+
+
+paused = _Depth()  # >0 on this thread: ops run fake but nothing is counted (DTensor's sharding propagation)
+
+
 def block_bytes(nbytes: int) -> int:
     """The caching allocator's block for a request of ``nbytes`` (0 allocates nothing)."""
     if nbytes <= 0:

@@ -83,13 +83,13 @@ def balanced_indices(torch: ModuleType, shape: tuple[int, ...], k: int, choices:
 class Shadows:
     """The known values of fake CUDA tensors, held beside them while they live."""
 
-    def __init__(self, torch: ModuleType, fake_type: Any) -> None:
+    def __init__(self, torch: ModuleType, fake_type: Any, supplied: Supplied) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.torch = torch
         self.fake_type = fake_type
         self.known: Any = WeakIdKeyDictionary()
-        self.supplied = Supplied()
+        self.supplied = supplied
 
     def of(self, tensor: Any) -> Any:
         return self.known.get(tensor) if isinstance(tensor, self.fake_type) else None
@@ -147,10 +147,10 @@ class ValuePolicy:
     """Runs one op on fake CUDA tensors with the values the policy knows or supplies (see the module)."""
 
     def __init__(self, torch: ModuleType, fake_type: Any, data_dependent: type[Exception],
-                 fake_call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+                 fake_call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], supplied: Supplied) -> None:
         self.torch = torch
         self.fake_call = fake_call  # runs an op in the fake mode (counted)
-        self.shadows = Shadows(torch, fake_type)
+        self.shadows = Shadows(torch, fake_type, supplied)
         self.fake_type = fake_type
         self.data_dependent = data_dependent  # what the fake mode raises for an op that needs values
         aten = torch.ops.aten

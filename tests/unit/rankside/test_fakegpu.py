@@ -158,7 +158,7 @@ def test_a_broken_calibration_file_names_itself_and_the_field(tmp_path: Path, te
 
 
 def test_cublas_copies_an_operand_it_cannot_read_in_place():
-    from pytest_gpumem.rankside.fakegpu.dispatch import _cublas_copies
+    from pytest_gpumem.rankside.fakegpu.mends.cublas import _cublas_copies
 
     matrix = torch.empty(64, 32)
     assert not _cublas_copies(matrix)
@@ -184,7 +184,7 @@ SDPA_GRID, SDPA_CHOSEN = _sdpa_grid()
 
 @pytest.mark.parametrize("case", sorted(SDPA_CHOSEN))
 def test_attention_takes_the_kernel_the_gpu_took(case: str):
-    from pytest_gpumem.rankside.fakegpu.dispatch import _sdp_choice
+    from pytest_gpumem.rankside.fakegpu.mends.attention import sdp_choice as _sdp_choice
 
     query, key, value, mask, dropout, causal, gqa = SDPA_GRID.grid("cpu")[case]
     choice = _sdp_choice(torch, models.model("NVIDIA H200"), query, key, value, mask, dropout, causal, gqa)
@@ -199,7 +199,7 @@ def test_attention_takes_the_kernel_the_gpu_took(case: str):
     ((8, 2048), [0], 0.0),  # few inputs a thread: no split across blocks
 ])
 def test_a_reduction_that_splits_its_inputs_across_blocks_stages_them_as_the_gpu_does(shape, dims, mib):
-    from pytest_gpumem.rankside.fakegpu.scratch import KERNEL_SCRATCH
+    from pytest_gpumem.rankside.fakegpu.mends.kernel_scratch import KERNEL_SCRATCH
 
     h100 = models.GpuModel(name="H100", major=9, minor=0, total_memory=80 << 30, multi_processor_count=132,
                            cublas_workspace=32 * MiB, cublaslt_workspace=MiB)
@@ -210,7 +210,7 @@ def test_a_reduction_that_splits_its_inputs_across_blocks_stages_them_as_the_gpu
 @pytest.mark.parametrize(("kernel", "mib"), [("cudnn", 18.76), ("efficient", 24.29)])
 def test_attention_backward_keeps_dq_in_float32_as_the_h100_did(kernel: str, mib: float):
     """ViT-B/16's call: 18.76 and 24.31 MiB above its gradients on the H100 (sdpa_choice.txt)."""
-    from pytest_gpumem.rankside.fakegpu.scratch import KERNEL_SCRATCH
+    from pytest_gpumem.rankside.fakegpu.mends.kernel_scratch import KERNEL_SCRATCH
 
     query = torch.empty(32, 12, 197, 64, dtype=torch.bfloat16)
     rule = KERNEL_SCRATCH[f"_scaled_dot_product_{kernel}_attention_backward"]
@@ -253,3 +253,24 @@ def test_without_a_compiler_the_shim_says_what_to_install(monkeypatch: pytest.Mo
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(shim.ShimError, match=r"no C\+\+ compiler was found: install one \(apt-get install g\+\+\)"):
         shim.compiler()
+
+
+def test_each_mend_is_registered_once_acts_somewhere_and_names_what_needs_it_as_it_exists():
+    """The registry is the list of the fake GPU's mends: a mend that arms nothing, or that names an
+    idiom or a test that is gone, says nothing true."""
+    import re
+
+    from pytest_gpumem.rankside.fakegpu.mends import MENDS
+
+    tests_dir = Path(__file__).resolve().parents[2]
+    idioms = set(re.findall(r"^def ([a-z0-9_]+)\(\) -> None:", (tests_dir / "idioms.py").read_text(), re.M))
+    names = [mend.name for mend in MENDS]
+    assert len(names) == len(set(names)), names
+    for mend in MENDS:
+        assert mend.on_import or mend.after_op, mend.name
+        named = re.findall(r"\bidioms? ((?:[a-z0-9_]+(?:, )?)+)", mend.needed_by)
+        for idiom in (n.strip() for group in named for n in group.split(",")):
+            assert idiom in idioms, f"{mend.name}: needed by idiom {idiom!r}, which tests/idioms.py does not have"
+        for test_file in re.findall(r"tests/[a-z_/]+\.py", mend.needed_by):
+            assert (tests_dir.parent / test_file).is_file(), f"{mend.name}: {test_file} is gone"
+        assert "idiom" in mend.needed_by or "tests/" in mend.needed_by, f"{mend.name}: needed by what?"

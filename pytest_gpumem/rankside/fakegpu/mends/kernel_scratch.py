@@ -1,7 +1,7 @@
 """Scratch a CUDA kernel allocates and frees inside itself, beyond the outputs its meta kernel gives.
 
-Each rule is ``op name -> bytes(model, args, kwargs)``; the dispatch counts the bytes at the op, on top
-of what is live (``FakeAllocator.transient``). Each was found in a GPU's allocator history and is
+Each rule is ``op name -> bytes(model, args, kwargs)``; the bytes are counted at the op, on top of
+what is live (``FakeAllocator.transient``). Each was found in a GPU's allocator history and is
 checked there to the byte:
 
 - cuDNN attention's backward keeps dQ in float32 and the rows' dO.O sums (ViT-B/16's 18.76 MiB and
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .models import GpuModel
+from ..models import GpuModel
+from .base import Context, Mend
 
 MAX_THREADS = 512  # a reduction block's (Reduce.cuh ReduceConfig::MAX_NUM_THREADS)
 THREADS_PER_SM = 2048  # maxThreadsPerMultiProcessor, sm80 to sm90
@@ -109,3 +110,18 @@ KERNEL_SCRATCH: dict[str, Callable[[GpuModel, tuple[Any, ...], dict[str, Any]], 
     "sum": _reduction,
     "mean": _reduction,
 }
+
+
+def _counted(rule: Callable[[GpuModel, tuple[Any, ...], dict[str, Any]], int]) -> Any:
+    def hook(context: Context, args: Any, kwargs: dict[str, Any], index: int) -> None:
+        context.allocator.transient(index, rule(context.model, args, kwargs))
+
+    return hook
+
+
+MEND: Mend = Mend(
+    name="kernels' own scratch",
+    needed_by="idioms sdpa_flash_bf16, sdpa_with_mask_fp32; tests/jobs.py's torch-only MoE (a bias "
+              "gradient's staged sums)",
+    after_op=tuple((op, _counted(rule)) for op, rule in KERNEL_SCRATCH.items()),
+)
