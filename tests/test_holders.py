@@ -82,6 +82,29 @@ def test_a_storage_nothing_of_the_users_holds_is_not_named():
     assert holders.walk({key}, key_of) == {}
 
 
+class _Placeholder(type):
+    """As transformers' placeholder classes for a library not installed (``DummyObject``): any public
+    attribute asked of them raises ImportError."""
+
+    def __getattribute__(cls, key):
+        if not key.startswith("_"):
+            raise ImportError(f"{type.__getattribute__(cls, '__name__')} requires a library not installed")
+        return super().__getattribute__(key)
+
+
+class NeedsALibrary(metaclass=_Placeholder):
+    pass
+
+
+def test_an_object_whose_attributes_raise_is_passed_over_and_the_rest_still_named():
+    """transformers' placeholders in a user's globals crashed the fake GPU's walk at the job's first
+    CUDA tensor (ImportError from ``getattr(value, "state")``): GPT-2, Llama, BERT from transformers 5."""
+    held = [torch.randn(8, 8)]
+    placeholder = NeedsALibrary  # noqa: F841 - a local of the user's frame, as a module's global would be
+    key = key_of(held[0])
+    assert holders.walk({key}, key_of)[key].what == "list 'held'"
+
+
 def test_a_walk_leaves_nothing_alive_that_the_job_dropped():
     tensor = torch.randn(8, 8)
     key, gone = key_of(tensor), weakref.ref(tensor)

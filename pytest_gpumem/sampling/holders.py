@@ -64,14 +64,17 @@ def walk(keys: set[int], key_of: Callable[[Any], int | None], root: Any = None,
     fsdp: dict[int, Any] = {}  # FSDP2 modules the user's variables name: their own holdings
     optimizers: dict[int, Any] = {}  # optimizers they name: their states
     for kind, name, value, context in _roots(frames, modules):
-        if hasattr(value, "_get_fsdp_state"):
-            fsdp[id(value)] = value
-        if isinstance(getattr(value, "state", None), Mapping) and hasattr(value, "param_groups"):
-            optimizers[id(value)] = value
-        for tensor in reach.tensors(value):
-            key = key_of(tensor)
-            if key is not None and key in keys and key not in found:
-                found[key] = _holder(kind, name, value, context, root, key_of)
+        try:
+            if hasattr(value, "_get_fsdp_state"):
+                fsdp[id(value)] = value
+            if isinstance(getattr(value, "state", None), Mapping) and hasattr(value, "param_groups"):
+                optimizers[id(value)] = value
+            for tensor in reach.tensors(value):
+                key = key_of(tensor)
+                if key is not None and key in keys and key not in found:
+                    found[key] = _holder(kind, name, value, context, root, key_of)
+        except Exception:  # noqa: BLE001 - an object whose attributes raise (transformers' placeholders for
+            continue       # a missing library raise ImportError): it holds nothing this walk can name
     for key, holder in _fsdp_unsharded(keys - set(found), key_of, fsdp.values()).items():
         found.setdefault(key, holder)
     for key, holder in _optimizer_states(keys - set(found), key_of, optimizers.values()).items():
@@ -125,8 +128,11 @@ def _roots(frames: Mapping[int, Any] | None, modules: Mapping[str, Any] | None) 
     """``(kind, name, value, frame or module)``: the user's frames' locals, innermost first, then the
     user's modules' globals; a user object's attributes each as a root of its own (``self.cache``)."""
     def named(kind: str, name: str, value: Any, context: Any) -> Iterator[tuple[str, str, Any, Any]]:
-        attributes = getattr(value, "__dict__", None)
-        if _is_users(value) and isinstance(attributes, dict):
+        try:
+            attributes = getattr(value, "__dict__", None) if _is_users(value) else None
+        except Exception:  # noqa: BLE001 - an object whose attributes raise: taken whole
+            attributes = None
+        if isinstance(attributes, dict):
             for attr, child in list(attributes.items()):
                 yield kind, f"{name}.{attr}", child, context
         else:
