@@ -62,3 +62,28 @@ def test_an_lstm_and_math_attention_run_on_the_cuda_build_without_a_driver() -> 
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("peak ")
+
+
+DDP_JOB = """
+import pytest
+
+
+@pytest.mark.gpumem(nproc=[1, 2], device="gpu", fake_gpu="on")
+def test_ddp():
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256).cuda(), device_ids=[0])
+    for _ in range(2):
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+"""
+
+
+def test_ddp_times_its_iterations_on_the_host_on_the_cuda_build_without_a_driver(tmp_path: Path) -> None:
+    """DDP's reducer timed its first iterations with CUDA events, which asked the driver: every DDP job
+    on the CUDA build stopped at its first forward ("CUDA driver version is insufficient")."""
+    (tmp_path / "test_ddp.py").write_text(DDP_JOB)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem", "test_ddp.py"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "every rank ran" in done.stdout  # rank 1 of 2 ran its DDP too

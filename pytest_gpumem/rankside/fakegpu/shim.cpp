@@ -13,6 +13,10 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
+#if __has_include(<torch/csrc/distributed/c10d/reducer_timer.hpp>)
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
+#define GPUMEM_DDP_TIMER 1
+#endif
 
 namespace at {
 struct GpumemFakeCUDAHooks final : CUDAHooksInterface {
@@ -33,3 +37,23 @@ C10_REGISTER_CLASS_WITH_PRIORITY(CUDAHooksRegistry, CUDAHooks, c10::REGISTRY_PRE
 }  // namespace at
 
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+
+#ifdef GPUMEM_DDP_TIMER
+// DDP's reducer times its first iterations on the parameters' device: a CUDA build's timer records CUDA
+// events, which ask the driver ("CUDA driver version is insufficient" at the first forward). On a fake
+// GPU it keeps host times, as the CPU build's reducer does.
+namespace c10d {
+struct GpumemHostTimer final : Timer {
+  explicit GpumemHostTimer(c10::Device /*unused*/) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    int64_t begin = getTimeRef(start);
+    int64_t finish = getTimeRef(end);
+    if (begin == kUnsetTime || finish == kUnsetTime || finish < begin) {
+      return std::nullopt;
+    }
+    return finish - begin;
+  }
+};
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(TimerRegistry, c10::kCUDA, c10::REGISTRY_PREFERRED, GpumemHostTimer)
+}  // namespace c10d
+#endif
