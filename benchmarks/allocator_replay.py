@@ -3,6 +3,11 @@ a GPU's own ``max_memory_reserved()``.
 
     python3 benchmarks/allocator_replay.py --record OUTDIR   # on a GPU machine (--budget 220 s)
     python benchmarks/allocator_replay.py --replay OUTDIR/traces.json.gz --out table.txt   # anywhere
+    python benchmarks/allocator_replay.py --fake OUTDIR/traces.json.gz [--only ...]   # the jobs on a fake GPU
+
+``--fake`` runs each job here on a fake GPU and sets its peaks (allocated, and reserved as the fake GPU
+replays the caching allocator while the job runs) beside the GPU's recorded ones
+(results/allocator_replay_fake.txt).
 
 ``--record`` runs each job in a process of its own (three at a time), the allocator's history on from
 the start (``torch.cuda.memory._record_memory_history``, no stacks), and keeps of each the events
@@ -68,11 +73,13 @@ def _steps(model: Any, loss_of: Callable[[], Any], steps: int, bf16: bool, optim
 
 
 def _distributed() -> None:
+    import torch
     import torch.distributed as dist
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29500 + os.getpid() % 2000))
-    dist.init_process_group("nccl", device_id=__import__("torch").device("cuda:0"))
+    # on a fake GPU the plugin's stand-in group answers (installed with the fake GPU: no NCCL without one)
+    dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
 
 
 def _hf(kind: str) -> tuple[Any, Callable[[], Any]]:
@@ -94,13 +101,15 @@ def _hf(kind: str) -> tuple[Any, Callable[[], Any]]:
     return model, lambda: model(input_ids=ids, labels=ids).loss
 
 
-def run_job(name: str) -> None:
-    """One job on the GPU, the allocator's history on from its first allocation."""
+def run_job(name: str, fake: bool = False) -> None:
+    """One job on the GPU, the allocator's history on from its first allocation (on a fake GPU: its
+    figures alone)."""
     import torch
 
     torch.cuda.init()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",  # noqa: SLF001
-                                             max_entries=4_000_000)
+    if not fake:
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",  # noqa: SLF001
+                                                 max_entries=4_000_000)
     if name == "loop":
         model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()
         data = torch.randn(512, 2048, device="cuda")
@@ -138,15 +147,15 @@ def run_job(name: str) -> None:
         model, loss_of = build(family, model_type, "cuda", "tiny")
         _steps(model, loss_of, 2, model_type in ("qwen2", "convnext"))
     torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()  # noqa: SLF001
-    trace = snapshot["device_traces"][0]
-    events = [[ACTIONS.index(e["action"]), int(e.get("addr") or 0), int(e.get("size") or 0),
-               int(e.get("stream") or 0)] for e in trace if e["action"] in ACTIONS]
-    print(json.dumps({"max_reserved": torch.cuda.max_memory_reserved(),
-                      "max_allocated": torch.cuda.max_memory_allocated(),
-                      "retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
-                      "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                      "wrapped": len(trace) >= 4_000_000, "events": events}))
+    figures = {"max_reserved": torch.cuda.max_memory_reserved(), "max_allocated": torch.cuda.max_memory_allocated(),
+               "retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+               "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    if not fake:
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]  # noqa: SLF001
+        figures.update(wrapped=len(trace) >= 4_000_000, events=[
+            [ACTIONS.index(e["action"]), int(e.get("addr") or 0), int(e.get("size") or 0), int(e.get("stream") or 0)]
+            for e in trace if e["action"] in ACTIONS])
+    print(json.dumps(figures))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -235,11 +244,50 @@ def replay(path: Path) -> str:
             f"max_memory_reserved(); {within} of {replayed} replayed jobs within 2%\n" + "\n".join(rows) + "\n")
 
 
+def fake(path: Path, only: list[str], model: str) -> str:
+    """The table: per job, the GPU's recorded peaks against a fake GPU's, each job run here in a process
+    of its own (a job's process group of one is the plugin's stand-in: no NCCL without a GPU)."""
+    with gzip.open(path, "rt") as handle:
+        results = json.load(handle)
+    rows = [f"{'job':24} {'GPU alloc':>10} {'fake':>10} {'err %':>7} {'GPU res':>10} {'fake res':>10} {'err %':>7} "
+            f"{'s':>6}  settings"]
+    within = compared = 0
+    versions: set[str] = set()
+    for name in only or list(JOBS):
+        real = results.get(name, {})
+        started = time.perf_counter()
+        path_env = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path_env, "PYTORCH_CUDA_ALLOC_CONF": JOBS[name][1]}
+        done = subprocess.run([sys.executable, __file__, "--job", name, "--fake-gpu", model], capture_output=True,
+                              text=True, env=env)
+        seconds = time.perf_counter() - started
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines or not lines[-1].startswith("{") or "error" in real or not real:
+            errors = [line for line in done.stderr.splitlines() if "Error" in line] or ["?"]
+            why = real.get("error") or ("no GPU row" if not real else errors[-1][:200])
+            rows.append(f"{name:24} error: {why}")
+            continue
+        got = json.loads(lines[-1])
+        versions.add(got["torch"])
+        alloc_err = 100 * (got["max_allocated"] - real["max_allocated"]) / real["max_allocated"]
+        res_err = 100 * (got["max_reserved"] - real["max_reserved"]) / real["max_reserved"]
+        compared, within = compared + 1, within + (abs(res_err) <= 2.0)
+        rows.append(f"{name:24} {real['max_allocated'] / MiB:10.1f} {got['max_allocated'] / MiB:10.1f} "
+                    f"{alloc_err:+7.2f} {real['max_reserved'] / MiB:10.1f} {got['max_reserved'] / MiB:10.1f} "
+                    f"{res_err:+7.2f} {seconds:6.1f}  {JOBS[name][1] or '-'}")
+    first = next((r for r in results.values() if "torch" in r), {})
+    return (f"GPU: torch {first.get('torch')} on {first.get('gpu')}; fake GPU: {model!r} on torch "
+            f"{', '.join(sorted(versions))}, {os.cpu_count()} CPUs; "
+            f"MiB; {within} of {compared} jobs' reserved peaks within 2%\n" + "\n".join(rows) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record", type=Path)
     parser.add_argument("--replay", type=Path)
     parser.add_argument("--job", choices=sorted(JOBS))
+    parser.add_argument("--fake", type=Path, help="the GPU's traces.json.gz: run the jobs on a fake GPU against it")
+    parser.add_argument("--fake-gpu", help="the fake GPU model (--fake: default NVIDIA H200; --job: run on it)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--budget", type=float, default=220.0, help="seconds within which every job ends")
     parser.add_argument("--only", default="", help="comma-separated jobs (default: all)")
@@ -248,7 +296,19 @@ def main() -> None:
     if unknown := sorted(set(only) - set(JOBS)):
         parser.error(f"unknown jobs {unknown}; known: {', '.join(JOBS)}")
     if args.job:
-        run_job(args.job)
+        if args.fake_gpu:  # before torch is imported, as a rank installs them: the simulated world of 1 and the GPU
+            from pytest_gpumem.rankside import fakegpu, simulate
+
+            if args.job.endswith("_w1"):
+                simulate.install_world(simulate.World(0, 1))
+            fakegpu.install(args.fake_gpu)
+        run_job(args.job, fake=bool(args.fake_gpu))
+    elif args.fake:
+        table = fake(args.fake, only, args.fake_gpu or "NVIDIA H200")
+        print(table, end="")
+        if args.out:
+            args.out.write_text(f"$ python benchmarks/allocator_replay.py --fake {args.fake.parent.name}/"
+                                f"{args.fake.name} --out {args.out.name}\n{table}")
     elif args.record:
         record(args.record, args.budget, only)
     elif args.replay:

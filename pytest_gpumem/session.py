@@ -10,6 +10,7 @@ What differs is passed in: where the ranks' pytest runs from and what it is give
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +39,16 @@ def preflight(settings: Settings, *, fake_gpu: bool | None = None, plots: bool |
     matplotlib): the option as ``names`` calls it and what to do, or None (``gpumem measure``: its flags)."""
     if (settings.enabled and settings.fake_gpu != "off") if fake_gpu is None else fake_gpu:
         from .rankside.fakegpu.models import CALIBRATION_FILE, CalibrationError, model
+        from .sampling.alloc_conf import AllocConfError, alloc_conf_from_env
 
         try:
             model(settings.fake_gpu_model, settings.baselines / CALIBRATION_FILE)
         except CalibrationError as exc:
             return f"{names['fake_gpu_model']}: {exc}"
+        try:  # the fake GPU's caching allocator runs with the job's settings
+            alloc_conf_from_env(os.environ)
+        except AllocConfError as exc:
+            return str(exc)
     if (settings.plots is not None) if plots is None else plots:
         from .presentation import plots as plotting
 

@@ -193,3 +193,13 @@ def test_cli_lists_measure_in_its_help():
     done = subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "--help"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and "per-rank scaling table" in done.stdout
+
+
+def test_a_bad_allocator_setting_for_a_fake_gpu_names_its_variable_and_what_is_accepted(tmp_path, monkeypatch, capsys):
+    """The fake GPU's caching allocator runs with the job's PYTORCH_CUDA_ALLOC_CONF: checked before a launch."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:lots")
+    assert measure.main(["--nproc", "2", "--device", "gpu", "--fake-gpu", "on", "--", "t.py"]) == 2
+    assert ("PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb accepts a whole number of MiB >= large_segment_size_mb, "
+            "got 'lots'") in capsys.readouterr().err

@@ -4,8 +4,9 @@ The launch sets ``GPUMEM_RANK_FAKE_GPU`` to the GPU model to emulate (``models``
 imports torch, the CUDA shim is loaded (``shim``: torch's CPU build has no CUDA device guard);
 once torch is imported, ``torch.cuda`` answers for the model (``cuda_api``) and every CUDA tensor
 is a fake one (``dispatch``), counted as the caching allocator counts it (``accounting``). The
-rank's allocator figure (``max_memory_allocated``) is then read by the plugin as on a real GPU.
-There is no device figure: no CUDA context, no communicator, no allocator cache.
+rank's allocator figure (``max_memory_allocated``) is then read by the plugin as on a real GPU, and
+what the caching allocator reserves, replayed (``accounting``). There is no device figure: no CUDA
+context, no communicator.
 
 Sizes run as a simulated world (``rankside.simulate``): with no GPU there is no NCCL, and a fake
 tensor has no values to communicate; the stand-in group keeps every collective's sizes.
@@ -34,8 +35,9 @@ def requested(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def install(name: str, calibration: str | None = None) -> None:
-    """Load the shim now and arm the rest at torch's import. Raises ``ShimError`` or
-    ``CalibrationError`` with a message that says what to do."""
+    """Load the shim now and arm the rest at torch's import. Raises ``ShimError``,
+    ``CalibrationError`` or ``AllocConfError`` with a message that says what to do."""
+    from ...sampling.alloc_conf import alloc_conf_from_env
     from ..imports import after_import
     from . import models, shim
     from .accounting import FakeAllocator
@@ -44,7 +46,7 @@ def install(name: str, calibration: str | None = None) -> None:
     if active.get("model") == model:  # a rank forked from the fake GPU's warm server: installed there
         return
     guarded = shim.load() is not None  # the shim's guard and hooks: a CPU build, or a CUDA one with no driver
-    allocator = FakeAllocator(model.cublas_workspace, model.cublaslt_workspace)
+    allocator = FakeAllocator(model.cublas_workspace, model.cublaslt_workspace, alloc_conf_from_env(os.environ))
     active.update(model=model, allocator=allocator)
     after_import("torch", lambda torch: _arm(torch, allocator, model, guarded))
 

@@ -7,6 +7,12 @@ job's tensors, the allocator holds the math libraries' workspaces: cuBLAS's for 
 runs a matrix product (the forward's and the autograd thread's), cuBLASLt's likewise; their sizes
 are the GPU model's (``models``).
 
+What is reserved (``max_memory_reserved``) is the caching allocator's policy replayed over the same
+allocations and frees as they happen (``sampling.caching_allocator``, with the job's
+``PYTORCH_CUDA_ALLOC_CONF``): segments, splitting, caching and ``empty_cache``, a pool per stream (a
+block comes from the pool of the stream current where it is made: FSDP2's all-gathers take theirs),
+none held past its free for another stream (the fake GPU's streams run nothing).
+
 With history on, each block keeps the Python stack that allocated it, and the events are kept in
 the shape of torch's own allocator history, so the plugin's peak sites read them unchanged.
 """
@@ -20,6 +26,9 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from ...sampling.alloc_conf import AllocConf
+from ...sampling.caching_allocator import CachingAllocator
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
 # (`--fulltrace` shows them): an error it raises is shown at the user's call.
@@ -57,9 +66,12 @@ class _Block:
 class FakeAllocator:
     """The allocator's accounting of this rank's fake CUDA storages, per device."""
 
-    def __init__(self, cublas_workspace: int, cublaslt_workspace: int) -> None:
+    def __init__(self, cublas_workspace: int, cublaslt_workspace: int, conf: AllocConf | None = None) -> None:
         self.cublas_workspace = cublas_workspace
         self.cublaslt_workspace = cublaslt_workspace
+        self.conf = conf or AllocConf()
+        self._pools: dict[int, CachingAllocator] = {}  # device -> its caching allocator, replayed
+        self._pool_ids: dict[int, int] = {}  # block key -> its id in its device's pool
         self.current: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.allocations: dict[int, int] = {}  # device -> number of blocks allocated (the stats' count)
@@ -70,6 +82,7 @@ class FakeAllocator:
         self._next_addr = 1 << 40
         self.history: list[dict[str, Any]] | None = None  # events, once history is on
         self.on_peak: Callable[[int], None] | None = None  # told each new peak's bytes (sampling.holders)
+        self.stream_of: Callable[[], int] = lambda: 0  # the current stream's pool (0: the default stream)
 
     # -- the job's storages -------------------------------------------------------------------------
 
@@ -151,19 +164,29 @@ class FakeAllocator:
     # -- the figures --------------------------------------------------------------------------------
 
     def reset_peak(self, device: int) -> None:
-        self.peak[device] = self.current.get(device, 0)
+        with self._lock:
+            self.peak[device] = self.current.get(device, 0)
+            self._pool(device).reset_peak()
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: every device's unused cached segments released."""
+        with self._lock:
+            for pool in self._pools.values():
+                pool.empty_cache()
 
     def stats(self, device: int) -> dict[str, int]:
-        """The keys of ``torch.cuda.memory_stats`` a job or the plugin reads. There is no cache: what
-        is reserved is what is allocated."""
+        """The keys of ``torch.cuda.memory_stats`` a job or the plugin reads."""
         current, peak = self.current.get(device, 0), self.peak.get(device, 0)
+        with self._lock:
+            pool = self._pool(device)
+            reserved, reserved_peak, retries = pool.heap.reserved, pool.figures().reserved_peak, pool.retries
         return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
                 "active_bytes.all.current": current, "active_bytes.all.peak": peak,
-                "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak,
+                "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": reserved_peak,
                 "requested_bytes.all.current": current, "requested_bytes.all.peak": peak,
                 "allocation.all.current": sum(1 for b in self._blocks.values() if b.device == device),
                 "allocation.all.allocated": self.allocations.get(device, 0),
-                "num_alloc_retries": 0, "num_ooms": 0}
+                "num_alloc_retries": retries, "num_ooms": 0}
 
     # -- history ------------------------------------------------------------------------------------
 
@@ -186,7 +209,15 @@ class FakeAllocator:
 
     # -- inside -------------------------------------------------------------------------------------
 
+    def _pool(self, device: int) -> CachingAllocator:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = CachingAllocator(self.conf)
+        return pool
+
     def _grow(self, device: int, size: int, key: int) -> None:
+        if size:
+            self._pool_ids[key] = self._pool(device).malloc(size, self.stream_of())
         current = self.current.get(device, 0) + size
         self.current[device] = current
         if current > self.peak.get(device, 0):
@@ -199,6 +230,9 @@ class FakeAllocator:
                                  "time_us": time.time() * 1e6})
 
     def _shrink(self, device: int, size: int, key: int, frames: list[dict[str, Any]] | None) -> None:
+        pool_id = self._pool_ids.pop(key, None)
+        if pool_id is not None:
+            self._pools[device].free(pool_id)
         self.current[device] = self.current.get(device, 0) - size
         if self.history is not None and size:
             self.history.append({"action": "free_requested", "addr": key, "size": size, "device": device,

@@ -159,6 +159,15 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
 
     _current["initialise"] = initialise
 
+    def pool_stream() -> int:
+        """The stream whose pool a block made now comes from: the current one (the default's is 0)."""
+        if not _state.streams:
+            return 0
+        found = _state.streams[-1]
+        return 0 if _default.get(found.device_index) is found else found.stream_id
+
+    allocator.stream_of = pool_stream
+
     def current_stream(device: Any = None) -> FakeStream:
         if _state.streams:
             return _state.streams[-1]
@@ -252,7 +261,7 @@ def install_cuda_api(torch: ModuleType, allocator: FakeAllocator, model: GpuMode
         "is_bf16_supported": lambda including_emulation=True: model.major >= 8,
         "is_tf32_supported": lambda: model.major >= 8,
         "can_device_access_peer": lambda device, peer: True,
-        "synchronize": noop, "empty_cache": noop, "ipc_collect": noop,
+        "synchronize": noop, "empty_cache": lambda: allocator.empty_cache(), "ipc_collect": noop,
         "is_current_stream_capturing": lambda: False,  # SyncBatchNorm asks before it counts the batch
         "Stream": FakeStream, "Event": FakeEvent, "current_stream": current_stream,
         "default_stream": default_stream, "stream": stream, "set_stream": noop,

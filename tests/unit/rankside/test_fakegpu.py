@@ -92,6 +92,43 @@ def test_a_peak_reset_starts_from_what_is_live():
     assert alloc.stats(0)["allocated_bytes.all.peak"] == 0
 
 
+def test_what_is_reserved_is_the_caching_allocators_segments_per_stream_and_empty_cache_returns_them():
+    """The caching allocator's policy, replayed as the fake storages come and go (sampling.caching_allocator):
+    small requests share a 2 MiB segment, 1-10 MiB ones take 20 MiB, a freed block is cached, another
+    stream's block comes from that stream's pool, ``empty_cache`` releases what is cached."""
+    alloc = _allocator()
+    small = [torch.empty(1024) for _ in range(3)]  # 4 KiB each
+    for tensor in small:
+        alloc.track(tensor.untyped_storage(), 0)
+    assert alloc.stats(0)["reserved_bytes.all.current"] == 2 * MiB
+    mid = torch.empty(MiB)  # 4 MiB
+    alloc.track(mid.untyped_storage(), 0)
+    assert alloc.stats(0)["reserved_bytes.all.current"] == 22 * MiB
+    del mid
+    gc.collect()
+    assert alloc.stats(0)["reserved_bytes.all.current"] == 22 * MiB  # cached, not returned
+    alloc.stream_of = lambda: 7  # another stream's pool: the cached 20 MiB segment is not its
+    other = torch.empty(MiB)
+    alloc.track(other.untyped_storage(), 0)
+    assert alloc.stats(0)["reserved_bytes.all.current"] == 42 * MiB
+    assert alloc.stats(0)["reserved_bytes.all.peak"] == 42 * MiB
+    assert alloc.stats(0)["allocated_bytes.all.current"] == 4 * MiB + 3 * 4096
+    alloc.empty_cache()
+    assert alloc.stats(0)["reserved_bytes.all.current"] == 22 * MiB  # the first 20 MiB returned
+    alloc.reset_peak(0)
+    assert alloc.stats(0)["reserved_bytes.all.peak"] == 22 * MiB
+
+
+def test_the_fake_gpus_reserved_figure_runs_with_the_jobs_allocator_settings():
+    from pytest_gpumem.sampling.alloc_conf import parse_alloc_conf
+
+    tensor = torch.empty(11 * MiB // 4)  # 11 MiB: a segment of its size rounded to 2 MiB, or a 20 MiB page
+    for conf, reserved in (("", 12 * MiB), ("expandable_segments:True", 20 * MiB)):
+        alloc = FakeAllocator(32 * MiB, MiB, parse_alloc_conf(conf))
+        alloc.track(tensor.untyped_storage(), 0)
+        assert alloc.stats(0)["reserved_bytes.all.current"] == reserved, conf
+
+
 def test_the_history_replays_to_the_allocator_peak_with_the_allocating_lines():
     """The plugin's own reader of torch's history (sampling.torch_history) takes the fake's unchanged."""
     alloc = _allocator()
