@@ -105,6 +105,30 @@ def test_an_object_whose_attributes_raise_is_passed_over_and_the_rest_still_name
     assert holders.walk({key}, key_of)[key].what == "list 'held'"
 
 
+def test_a_walk_reads_what_a_node_holds_without_running_the_saved_tensor_hooks():
+    """Activation checkpointing packs a node's saved tensors with hooks whose unpacking recomputes the
+    forward: a walk that unpacked them ran the recomputation mid-step (BERT under FSDP1 crashed, its
+    flat parameters' storage of another unit's size). Unhooked saved tensors are still named."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+    lin = torch.nn.Linear(64, 64)
+
+    def block(t):
+        calls.append(1)
+        return lin(t).sigmoid()
+
+    x = torch.randn(16, 64, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    plain = lin(x).exp().sum()  # unhooked: exp's output is held by ExpBackward0 alone
+    held = key_of(plain.grad_fn.next_functions[0][0]._raw_saved_result.data)  # no local keeps it
+    found = holders.walk({key_of(y), held}, key_of)
+    assert calls == [1], "the walk recomputed the checkpointed forward"
+    assert found[held].what == "saved for backward by ExpBackward0", found
+    y.sum().backward()  # the checkpoint still recomputes in backward, once
+    assert calls == [1, 1]
+
+
 def test_a_walk_leaves_nothing_alive_that_the_job_dropped():
     tensor = torch.randn(8, 8)
     key, gone = key_of(tensor), weakref.ref(tensor)

@@ -269,7 +269,9 @@ def _dotted(node: Any) -> str:
 
 def _saved_for_backward(keys: set[int], key_of: Callable[[Any], int | None], tensors: list[Any]) -> dict[int, Holder]:
     """The storages of ``keys`` that autograd keeps for backward, from the graphs of the tensors the
-    walk met: each named by the node that saved it."""
+    walk met: each named by the node that saved it. What a node holds is read as packed
+    (``_raw_saved_*``), never unpacked: unpacking runs the saved-tensor hooks, and activation
+    checkpointing's recomputed the forward there (BERT under FSDP1: its flat parameters' state broken)."""
     found: dict[int, Holder] = {}
     if not keys:
         return found
@@ -281,13 +283,14 @@ def _saved_for_backward(keys: set[int], key_of: Callable[[Any], int | None], ten
             continue
         seen.add(id(node))
         for attr in dir(node):
-            if not attr.startswith("_saved_"):
+            if not attr.startswith("_raw_saved_"):
                 continue
             try:
-                saved = getattr(node, attr)
+                raw = getattr(node, attr)
             except Exception:  # noqa: BLE001 - freed by an earlier backward
                 continue
-            for tensor in saved if isinstance(saved, (tuple, list)) else (saved,):
+            for packed in raw if isinstance(raw, (tuple, list)) else (raw,):
+                tensor = getattr(packed, "data", None)  # what the node holds: the tensor, or a hook's object
                 key = key_of(tensor)
                 if key is not None and key in keys:
                     found.setdefault(key, Holder(f"saved for backward by {node.name()}", framework=True))
