@@ -63,14 +63,16 @@ def test_a_session_without_gpumem_tests_imports_nothing_heavy(project, args):
     assert result["code"] == 0, out
     ours = {m for m in result["modules"] if m.startswith("pytest_gpumem")}
     # (protocol: the rank files' names and readers, standard library only; the rank side uses it;
-    # fakegpu.models: the fake GPU's model checked at configure, standard library only; hookspecs: the
-    # pytest_gpumem_launchers spec, pluggy only; session: its preflight, the machinery imported when built)
+    # fakegpu.models and sampling.alloc_conf: the fake GPU's model and allocator settings checked at
+    # configure, standard library only; hookspecs: the pytest_gpumem_launchers spec, pluggy only;
+    # session: its preflight, the machinery imported when built)
     assert ours <= {"pytest_gpumem", "pytest_gpumem.plugin", "pytest_gpumem.hookspecs", "pytest_gpumem.session",
                     "pytest_gpumem.config",
                     "pytest_gpumem.config.settings", "pytest_gpumem.config.env_names",
                     "pytest_gpumem.config.spec", "pytest_gpumem.rankside", "pytest_gpumem.rankside.protocol",
                     "pytest_gpumem.rankside.rank", "pytest_gpumem.rankside.fakegpu",
-                    "pytest_gpumem.rankside.fakegpu.models"}, ours
+                    "pytest_gpumem.rankside.fakegpu.models", "pytest_gpumem.sampling",
+                    "pytest_gpumem.sampling.alloc_conf"}, ours
     assert not [m for m in result["modules"] if m.split(".")[0] in HEAVY]
 
 
