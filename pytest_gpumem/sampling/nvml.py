@@ -232,6 +232,21 @@ def visible_gpus(env: Mapping[str, str] | None = None, nvml: Any = None) -> list
     return select_visible(gpus, (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
 
 
+def process_bytes(pid: int, index: int = 0, nvml: Any = None) -> int | None:
+    """NVML's figure for one process on GPU ``index`` (NVML's order), or None where NVML cannot say
+    (no driver, no process list, the pid not seen: a container without the host's pid namespace)."""
+    nvml = _pynvml if nvml is None else nvml
+    if nvml is None or not _init(nvml):
+        return None
+    try:
+        procs = _ProcessLister(nvml)(nvml.nvmlDeviceGetHandleByIndex(index)) or []
+        return max((_bytes_or_none(p.usedGpuMemory) or 0 for p in procs if int(p.pid) == pid), default=None)
+    except _nvml_errors(nvml):
+        return None
+    finally:
+        _shutdown(nvml)
+
+
 def driver_versions(nvml: Any = None) -> dict[str, str]:
     """The NVIDIA driver and the CUDA version it supports: the CUDA context's size moves with them."""
     nvml = _pynvml if nvml is None else nvml

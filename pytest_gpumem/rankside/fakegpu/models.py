@@ -5,7 +5,8 @@ multiprocessor count a job or torch reads to choose kernels), and what that mode
 through the caching allocator beyond the job's tensors: cuBLAS's workspace (one per thread and
 stream that runs a matrix product; the forward and the autograd thread make two) and cuBLASLt's.
 Those were measured on the real GPU (``gpumem calibrate`` records them on a team's own GPU, into
-``gpumem-calibration.json`` beside the baselines, which then wins over the built-in figures).
+``gpumem-calibration.json`` beside the baselines, which then wins over the built-in figures), and so
+was what lives outside the allocator (``OUTSIDE``), from which a fake GPU predicts the device figure.
 
 To add a model: run ``gpumem calibrate`` on it and commit the file, or add it to ``BUILT_IN``.
 """
@@ -20,6 +21,17 @@ from typing import Any, Mapping
 MiB = 1024 * 1024
 CALIBRATION_FILE = "gpumem-calibration.json"
 SCHEMA = 1
+
+
+# What a process holds on the GPU beyond the caching allocator's segments, by part, as NVML's figure for
+# the process less torch's memory_reserved() grew (gpumem calibrate measures each on the real GPU):
+OUTSIDE = {
+    "context": "the CUDA context, once torch has initialised CUDA and run its first kernels",
+    "cublas": "cuBLAS's and cuBLASLt's kernels, loaded at the first matrix product (forward and backward)",
+    "cudnn": "cuDNN's handle and kernels, loaded at the first convolution or batch norm",
+    "attention": "the fused attention kernels, loaded at the first scaled_dot_product_attention",
+    "nccl": "an NCCL communicator of one rank and its buffers, made at the first collective",
+}
 
 
 class CalibrationError(ValueError):
@@ -37,6 +49,7 @@ class GpuModel:
     multi_processor_count: int
     cublas_workspace: int  # bytes the caching allocator holds for cuBLAS, per thread that runs a GEMM
     cublaslt_workspace: int  # bytes for cuBLASLt (a GEMM with bias or epilogue), per thread
+    outside: Mapping[str, int] = field(default_factory=dict)  # bytes by part of OUTSIDE; empty: not calibrated
     source: str = "built in"  # where the figures come from: "built in", or the calibration file
     measured_with: Mapping[str, str] = field(default_factory=dict)  # torch, CUDA, driver of the measurement
 
@@ -94,6 +107,12 @@ def read_calibration(path: Path) -> dict[str, GpuModel]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CalibrationError(f"{path}: models[{name!r}].{key} = {value!r}: expected an integer >= 0")
             values[key] = value
+        outside = entry.get("outside", {})
+        if not isinstance(outside, dict) or not all(
+                k in OUTSIDE and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in outside.items()):
+            raise CalibrationError(f"{path}: models[{name!r}].outside = {outside!r}: expected an object from "
+                                   f"{', '.join(OUTSIDE)} to integers >= 0 (bytes)")
+        values["outside"] = dict(outside)
         measured = entry.get("measured_with", {})
         if not isinstance(measured, dict) or not all(isinstance(v, str) for v in measured.values()):
             raise CalibrationError(f"{path}: models[{name!r}].measured_with: expected an object of strings")
@@ -119,4 +138,5 @@ def _entry(found: GpuModel) -> dict[str, Any]:
     entry.pop("name")
     entry.pop("source")
     entry["measured_with"] = dict(found.measured_with)
+    entry["outside"] = dict(found.outside)
     return entry
