@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from ..config.spec import Spec
 from ..results.size import PER_RANK, FloorResult, SizeResult
+from ..sampling import AllocatedPeak
 from .verdict import DIGITS, Check, digits_to_tell
 
 # 3: allocator figures, peak sites, live curves, each check's figure; 4: pytest's words, a failure's cause
@@ -287,6 +288,17 @@ def _site_change(c: SiteChange) -> dict[str, Any]:
             **({"kept_alive_by": c.kept_alive_by} if c.kept_alive_by else {})}
 
 
+def _allocated(a: AllocatedPeak) -> dict[str, Any]:
+    out: dict[str, Any] = {"allocated_mib": round(a.mib, 2),
+                           "reserved_mib": None if a.reserved_mib is None else round(a.reserved_mib, 2)}
+    if a.device is not None:  # a fake GPU's prediction, with what it adds up and whether it fits
+        out.update(predicted_device_mib=round(a.device.mib, 2),
+                   predicted_device_parts_mib={part: round(mib, 2) for part, mib in a.device.parts},
+                   predicted_for_gpu=a.device.gpu, gpu_capacity_mib=round(a.device.capacity_mib, 2),
+                   margin_mib=round(a.device.margin_mib, 2), fits=a.device.margin_mib >= 0)
+    return out
+
+
 def _floor(floor: FloorResult | None, s: SizeRecord) -> dict[str, Any] | None:
     return None if floor is None else {"framework": floor.framework, "what": floor.describe(s.device, s.nproc),
                                        "ranks": _keyed(floor.ranks, lambda v: round(v, 1)), "cached": floor.cached}
@@ -302,8 +314,7 @@ _WRITE: dict[str, Callable[[Any], Any]] = {
     # the per-rank kinds (results.size.Kind)
     "peak": lambda v: _keyed(v, lambda p: p.mib), "mib": lambda v: _keyed(v, lambda mib: round(mib, 1)),
     "text": _keyed, "sites": lambda v: _keyed(v, lambda sites: [site.as_dict() for site in sites]),
-    "allocated": lambda v: _keyed(v, lambda a: {"allocated_mib": round(a.mib, 2), "reserved_mib": (
-        None if a.reserved_mib is None else round(a.reserved_mib, 2))}),
+    "allocated": lambda v: _keyed(v, _allocated),
     "curve": _timeline}
 # The kinds written from (the value, the object that holds it, the test's digits).
 _WRITE_IN_PLACE: dict[str, Callable[[Any, Any, int], Any]] = {

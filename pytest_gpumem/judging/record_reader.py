@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from ..config.spec import Defaults, Spec, SpecError, Tolerance, parse_marker, parse_tolerance
 from ..results.predict import MODELS_BY_NAME, Candidate, Fit, Prediction
 from ..results.size import FloorResult, SizeResult
-from ..sampling import AllocatedPeak, Peak
+from ..sampling import AllocatedPeak, DeviceEstimate, Peak
 from ..sampling.sites import Site, from_dicts
 from .record import (
     CAUSES,
@@ -186,7 +186,20 @@ class _Reader:
         raw = self.valid(isinstance(raw, dict), raw, where, "an object", {})
         mib = self.mib(raw.get("allocated_mib"), f"{where}.allocated_mib")
         return None if mib is None else AllocatedPeak(mib, self.number(raw.get("reserved_mib"),
-                                                                       f"{where}.reserved_mib"), "torch")
+                                                                       f"{where}.reserved_mib"), "torch",
+                                                      self.device_estimate(raw, where))
+
+    def device_estimate(self, raw: dict[str, Any], where: str) -> DeviceEstimate | None:
+        """A fake GPU's predicted device figure (``predicted_device_parts_mib``), or None where there is none."""
+        parts = raw.get("predicted_device_parts_mib")
+        if parts is None:
+            return None
+        ok = isinstance(parts, dict) and all(isinstance(k, str) and _is_number(v) for k, v in parts.items())
+        if not self.valid(ok, parts, f"{where}.predicted_device_parts_mib", "an object from part to MiB", False):
+            return None
+        capacity = self.mib(raw.get("gpu_capacity_mib"), f"{where}.gpu_capacity_mib")
+        return DeviceEstimate(tuple((k, float(v)) for k, v in parts.items()),
+                              self.string(raw.get("predicted_for_gpu"), f"{where}.predicted_for_gpu"), capacity or 0.0)
 
     def sites(self, raw: Any, where: str) -> tuple[Site, ...] | None:
         ok = isinstance(raw, list) and all(isinstance(s, dict) and isinstance(s.get("where"), str)

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from ..config.spec import Spec, Tolerance
-from ..results.size import ALLOCATED, DEVICE, HOST, GatedReading, SizeResult, gated_reading, gated_subject
+from ..results.size import (
+    ALLOCATED,
+    DEVICE,
+    HOST,
+    GatedReading,
+    SizeResult,
+    gated_reading,
+    gated_subject,
+    predicted_device,
+)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class Check:
     def text(self, digits: int | None = None) -> str:
         """The whole sentence, its figures at ``digits`` decimals (default: enough to tell them apart)."""
         digits = self.digits if digits is None else digits
-        figure = ", allocated" if self.figure == ALLOCATED else ""
+        predicted = self.figure == DEVICE and self.basis.startswith("fake GPU")  # its device figure, predicted
+        figure = ", allocated" if self.figure == ALLOCATED else ", device figure predicted" if predicted else ""
         basis = f", {self.basis}" if self.basis else ""
         where = f"{self.rank_label} at nproc={self.world_size} ({self.device}{figure}{basis})"
         if self.measured_mib is None:
@@ -277,6 +287,26 @@ def ratio_figures(spec: Spec, one: GatedReading, reading: GatedReading) -> tuple
     return base, value, figure
 
 
+def _fake_gpu_notes(spec: Spec, fake: list[SizeResult]) -> list[str]:
+    """What a fake GPU's figures are, and each size's fit on the emulated GPU (its predicted device figure)."""
+    sizes = ", ".join(str(r.world_size) for r in fake)
+    fits = [(r.world_size, found) for r in fake if (found := predicted_device(r, spec.rank)) is not None]
+    if not fits:
+        return [f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): every limit reads the allocator figure, what "
+                "torch's caching allocator would count on that model; a real GPU holds more (the CUDA context, the "
+                "communicator's buffers, the allocator's cache), not predicted: its model has no calibration of "
+                "them (gpumem calibrate)"]
+    device = [limit for limit, figure in spec.figures if figure == DEVICE]
+    notes = [f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): its device figure is predicted, the caching "
+             "allocator's reserved peak plus what the model's calibration puts outside it (the context, the "
+             "libraries' kernels, an NCCL communicator of one rank; at larger worlds NCCL holds more, not modelled "
+             "yet); " + (f"{', '.join(device)} read{'s' if len(device) == 1 else ''} it, " if device else "")
+             + "other limits the allocator figure"]
+    notes += [f"nproc={n} {label}: {estimate.fit()} (predicted: {estimate.sum_text()})"
+              for n, (label, estimate) in fits]
+    return notes
+
+
 def judge(
     spec: Spec,
     results: list[SizeResult],
@@ -342,10 +372,7 @@ def judge(
             extra_notes += _baseline_checks(spec, result, reading, base, check)
     fake = [r for r in results if r.fake_gpu]
     if fake:
-        sizes = ", ".join(str(r.world_size) for r in fake)
-        extra_notes.append(f"nproc={sizes} ran on a fake GPU ({fake[0].fake_gpu}): every limit reads the allocator "
-                           "figure, what torch's caching allocator would count on that model; a real GPU holds "
-                           "more (the CUDA context, the communicator's buffers, the allocator's cache)")
+        extra_notes += _fake_gpu_notes(spec, fake)
         supplied = tuple(dict.fromkeys(line for r in fake for line in r.supplied))
         if supplied:
             extra_notes.append("the fake GPU supplied what fake tensors do not have (docs/fake-gpu.md, \"Values\"); "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config.spec import Spec
 from ..oneflow import conversions
@@ -16,7 +17,7 @@ from ..oneflow.cuda_on_cpu import PROVENANCE_KEY as CUDA_ON_CPU_KEY
 from ..rankside import protocol
 from ..results.provenance import config_provenance
 from ..results.size import SizeResult
-from ..sampling import AllocatedPeak, Peak
+from ..sampling import AllocatedPeak, DeviceEstimate, Peak
 from ..sampling.allocations import is_allocation_method
 from ..sampling.host import HostSampler
 from ..sampling.identity import platform_key
@@ -156,6 +157,14 @@ def rank_outcomes(spec: Spec, nproc: int, launch: LaunchResult, exited: set[int]
     return outcomes
 
 
+def device_estimate(raw: Any) -> DeviceEstimate | None:
+    """A fake GPU's predicted device figure as its rank reported it (``rankside.fakegpu.device``)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("parts_mib"), dict):
+        return None
+    parts = tuple((str(k), float(v)) for k, v in raw["parts_mib"].items() if isinstance(v, (int, float)))
+    return DeviceEstimate(parts, str(raw.get("gpu", "")), float(raw.get("capacity_mib") or 0.0))
+
+
 def rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started_at: float) -> tuple[
         dict[int, AllocatedPeak], dict[int, tuple[Site, ...]], tuple[tuple[float, dict[int, float]], ...], list[str]]:
     """What each rank measured of itself: its allocator figure (GPU), the sites live at the peak of
@@ -170,7 +179,8 @@ def rank_figures(reports: dict[int, protocol.ExitReport], use_gpu: bool, started
             reserved = found.get("reserved_mib")
             allocated[rank] = AllocatedPeak(float(found["allocated_mib"]),
                                             float(reserved) if isinstance(reserved, (int, float)) else None,
-                                            str(found.get("framework", "torch")))
+                                            str(found.get("framework", "torch")),
+                                            device_estimate((found.get("fake_gpu") or {}).get("device")))
         raw_sites, curve, problem = ((found.get("sites") or [], found.get("timeline") or [], found.get("sites_problem"))
                                      if use_gpu else (report.alloc_sites, report.alloc_timeline, report.sites_problem))
         if raw_sites:

@@ -221,7 +221,7 @@ def _report_exit(workdir: Path, rank: int, tracker: "AllocationTracker", gpu_sam
     alloc_mib = tracker.stop()
     gpu_allocator = torch_allocator.report()  # after the tracker: reading the history allocates
     if gpu_allocator and fakegpu.active:
-        gpu_allocator["fake_gpu"] = fakegpu.describe()
+        gpu_allocator["fake_gpu"] = fakegpu.describe(gpu_allocator.get("reserved_mib"))
     provenance = {**host_provenance(os.environ), **cpu_provenance(), **framework_versions(),
                   **rank_provenance(protocol.rank_file(workdir, rank, "boxing")),
                   **eager_provenance(protocol.rank_file(workdir, rank, "eager")), **cuda_on_cpu_provenance()}

@@ -47,6 +47,7 @@ from .imports import after_import
 __tracebackhide__ = True
 
 SIMULATE_ENV = "GPUMEM_SIMULATED_RANK"  # "R/W": this process is rank R of a simulated world of W
+backends: list[str] = []  # the backend each process group asked for (a fake GPU counts NCCL's communicators)
 
 
 class SimulationError(RuntimeError):
@@ -114,6 +115,7 @@ def _patch_torch(torch: ModuleType, where: World) -> None:
         if args:  # backend_options, positionally: a real backend's options mean nothing to the fake one
             args = (None, *args[1:])
         kwargs.pop("backend_options", None)
+        backends.append(str(backend))
         return helper(group_size, group_rank, global_ranks, "fake", store, group_name, *args, **kwargs)
 
     # Module globals, looked up at each call: callers that imported these names are covered too.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from ..sampling import AllocatedPeak, Peak
+from ..sampling import AllocatedPeak, DeviceEstimate, Peak
 from ..sampling.sites import Site
 from .predict import Prediction
 
@@ -138,8 +138,9 @@ def gated_reading(result: SizeResult, rank: int | str) -> GatedReading:
     the largest measured; none for a predicted size), and what each limit reads of it.
 
     On a GPU, a limit on the allocator figure reads the framework allocator's where the rank reported
-    one, else (OneFlow, a rank that never used the allocator) the device figure. A fake GPU has no
-    device: every limit reads its allocator figure. On host memory every limit reads the one host figure.
+    one, else (OneFlow, a rank that never used the allocator) the device figure. A fake GPU's device
+    figure is the one it predicts where its GPU model is calibrated, else its allocator figure. On host
+    memory every limit reads the one host figure.
     """
     known = [(p.mib, r) for r, p in result.peaks.items() if p.mib is not None]
     top = int(rank) if rank != "all" else max(known)[1] if known and result.prediction is None else None
@@ -154,8 +155,31 @@ def gated_reading(result: SizeResult, rank: int | str) -> GatedReading:
     device = (label, mib, DEVICE if result.device == "gpu" else HOST)
     allocated = _allocator_figure(result, rank) or device
     others = [p.mib for r, p in result.peaks.items() if p.mib is not None and r != top]
-    return GatedReading(rank == "all", top, label, mib, allocated if result.fake_gpu else device, allocated,
+    if result.fake_gpu:  # its device figure, where predicted, is the gated one, as a real GPU's is
+        predicted = _predicted_device(result, rank)
+        device = predicted or allocated
+        if predicted is not None:
+            label, mib = predicted[0], predicted[1]
+    return GatedReading(rank == "all", top, label, mib, device, allocated,
                         max(others) if others else None, peak.method if peak is not None else result.methods)
+
+
+def predicted_device(result: SizeResult, rank: int | str) -> tuple[str, DeviceEstimate] | None:
+    """A fake GPU's predicted device figure of the gated rank (``rank="all"``: the largest), with the
+    rank's label, where it has one."""
+    predicted = {r: a.device for r, a in result.allocated.items() if a.device is not None}
+    if not predicted:
+        return None
+    if rank == "all":
+        top = max((d.mib, r) for r, d in predicted.items())[1]
+        return f"rank {top} (largest)", predicted[top]
+    mine = predicted.get(int(rank))
+    return None if mine is None else (f"rank {rank}", mine)
+
+
+def _predicted_device(result: SizeResult, rank: int | str) -> Figure | None:
+    found = predicted_device(result, rank)
+    return None if found is None else (found[0], found[1].mib, DEVICE)
 
 
 def _allocator_figure(result: SizeResult, rank: int | str) -> Figure | None:

@@ -5,8 +5,8 @@ imports torch, the CUDA shim is loaded (``shim``: torch's CPU build has no CUDA 
 once torch is imported, ``torch.cuda`` answers for the model (``cuda_api``) and every CUDA tensor
 is a fake one (``dispatch``), counted as the caching allocator counts it (``accounting``). The
 rank's allocator figure (``max_memory_allocated``) is then read by the plugin as on a real GPU, and
-what the caching allocator reserves, replayed (``accounting``). There is no device figure: no CUDA
-context, no communicator.
+what the caching allocator reserves, replayed (``accounting``). The device figure is predicted
+(``device``): the reserved peak and what the GPU model's calibration says lives outside the allocator.
 
 Sizes run as a simulated world (``rankside.simulate``): with no GPU there is no NCCL, and a fake
 tensor has no values to communicate; the stand-in group keeps every collective's sizes.
@@ -64,11 +64,18 @@ def supplied() -> list[str]:
     return mode.policy.supplied.lines() if mode is not None else []
 
 
-def describe() -> dict[str, Any]:
-    """What the exit report says of this rank's fake GPU ({} on a real one)."""
+def describe(reserved_mib: float | None) -> dict[str, Any]:
+    """What the exit report says of this rank's fake GPU ({} on a real one): with the device figure
+    predicted from ``reserved_mib`` (the reserved peak the report carries), where the model has one."""
+    from ..simulate import backends
+    from .device import predict_device
+
     model = active.get("model")
     if model is None:
         return {}
+    device = None if reserved_mib is None else predict_device(model, reserved_mib, active["allocator"].loaded,
+                                                              backends)
     return {"model": model.name, "calibration": model.source, "measured_with": dict(model.measured_with),
             "cublas_workspace_mib": model.cublas_workspace / 2**20,
-            "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20, "supplied": supplied()}
+            "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20, "supplied": supplied(),
+            **({"device": device} if device else {})}

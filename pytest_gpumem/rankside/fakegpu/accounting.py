@@ -83,6 +83,7 @@ class FakeAllocator:
         self.history: list[dict[str, Any]] | None = None  # events, once history is on
         self.on_peak: Callable[[int], None] | None = None  # told each new peak's bytes (sampling.holders)
         self.stream_of: Callable[[], int] = lambda: 0  # the current stream's pool (0: the default stream)
+        self.loaded: set[str] = set()  # the libraries whose kernels the job's calls loaded (models.OUTSIDE)
 
     # -- the job's storages -------------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class FakeAllocator:
     def workspace(self, library: str, device: int) -> None:
         """cuBLAS's (``"cublas"``) or cuBLASLt's (``"cublaslt"``) workspace for this thread, once."""
         key = (threading.get_ident(), library, device)
+        self.called("cublas")
         if key in self._workspaces:
             return
         size = self.cublas_workspace if library == "cublas" else self.cublaslt_workspace
@@ -147,6 +149,10 @@ class FakeAllocator:
                 self._scratch[self._next_addr] = block  # for the history's frames
                 self._grow(device, size, self._next_addr)  # held to the end, as the real pool holds it
                 self._scratch.pop(self._next_addr)
+
+    def called(self, library: str) -> None:
+        """The job called into ``library`` (a part of ``models.OUTSIDE``): its kernels are loaded."""
+        self.loaded.add(library)
 
     def transient(self, device: int, nbytes: int) -> None:
         """Scratch a kernel allocates and frees inside one op (a copy of an operand): it counts

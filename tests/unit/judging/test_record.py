@@ -23,7 +23,7 @@ from pytest_gpumem.judging.record_reader import load_report, parse_report
 from pytest_gpumem.judging.verdict import Check
 from pytest_gpumem.results.predict import FLAT, LINEAR, Candidate, Fit, Prediction
 from pytest_gpumem.results.size import PER_RANK, FloorResult, SizeResult
-from pytest_gpumem.sampling import AllocatedPeak, Peak
+from pytest_gpumem.sampling import AllocatedPeak, DeviceEstimate, Peak
 from pytest_gpumem.sampling.sites import Site
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -37,7 +37,9 @@ def full_record() -> TestRecord:
         host_peaks={0: Peak(120.5, "live allocations (memray)"), 1: Peak(121.0, "live allocations (memray)")},
         rss_peaks={0: 300.0}, floor=FloorResult("torch", {0: 612.0, 1: 612.0}, "2026-12-01"),
         timeline=((0.0, {0: 1.0, 1: 2.0}), (0.5, {0: 800.0, 1: 812.5})), duration_s=3.5, nodes={0: "n1", 1: "n2"},
-        allocated={0: AllocatedPeak(400.0, 512.0, "torch"), 1: AllocatedPeak(420.0, None, "torch")},
+        allocated={0: AllocatedPeak(400.0, 512.0, "torch", DeviceEstimate(
+            (("reserved", 512.0), ("context", 530.5), ("nccl", 300.25)), "NVIDIA H100 80GB HBM3", 81079.0)),
+                   1: AllocatedPeak(420.0, None, "torch")},
         sites={1: (Site("t.py:7", "f", "all_gather", 256.0, 2, False, ("t.py:25 train",), 1),)},
         sites_notes=("sites of rank 1 only",), live_timeline=((0.1, {1: 100.0}), (0.4, {1: 420.0})),
         start="exec", simulated=(0, 1), uncounted=("DDP comm hook 'keep_buckets'",))
@@ -76,6 +78,9 @@ def test_a_record_survives_json_unchanged():
     assert doc["schema"] == SCHEMA == 4
     assert doc["tests"][0]["status"] == "failed" and doc["tests"][0]["cause"] == "limit"
     assert parse_report(doc) == [record]
+    rank0 = doc["tests"][0]["sizes"][0]["allocated_ranks"]["0"]  # a fake GPU's prediction, keys that say what
+    assert (rank0["predicted_device_mib"], rank0["margin_mib"], rank0["fits"]) == (1342.75, 79736.25, True)
+    assert rank0["predicted_device_parts_mib"] == {"reserved": 512.0, "context": 530.5, "nccl": 300.25}
 
 
 @pytest.mark.parametrize("ratio", [Ratio(flat=1.2), Ratio(sizes=((2, 0.6), (8, 0.3)))])
@@ -141,6 +146,10 @@ def test_what_a_record_derives_it_derives_from_its_checks_and_ranks():
     (lambda t: t["sizes"][0].update(timeline=[[0.0]]),
      "tests[0].sizes[0].timeline[0]: expected [seconds, {rank: MiB}]"),
     (lambda t: t.update(baseline_changes=[[2, "a", 1.0]]), "tests[0].baseline_changes[0]: expected [nproc, old MiB"),
+    (lambda t: t["sizes"][0]["allocated_ranks"]["0"].update(predicted_device_parts_mib={"context": "big"}),
+     "tests[0].sizes[0].allocated_ranks.0.predicted_device_parts_mib: expected an object from part to MiB"),
+    (lambda t: t["sizes"][0]["allocated_ranks"]["0"].update(gpu_capacity_mib="80G"),
+     "tests[0].sizes[0].allocated_ranks.0.gpu_capacity_mib: expected a finite number of MiB"),
     (lambda t: t["sizes"][0]["floor"].update(cached=20261201),
      "tests[0].sizes[0].floor.cached: expected a string or null, got 20261201"),
 ])

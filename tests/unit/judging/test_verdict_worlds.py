@@ -5,7 +5,7 @@ comm hook out. What the verdict says about each is all a reviewer has to tell it
 from pytest_gpumem.config.spec import Defaults, Tolerance, parse_marker
 from pytest_gpumem.judging.verdict import UNCOUNTED, BaselineRef, judge, simulated_ranks
 from pytest_gpumem.results.size import SizeResult
-from pytest_gpumem.sampling import AllocatedPeak, Peak
+from pytest_gpumem.sampling import AllocatedPeak, DeviceEstimate, Peak
 
 SAMPLED = "per-pid sampled"
 
@@ -63,9 +63,30 @@ def test_a_fake_gpu_size_says_every_limit_reads_its_allocator_figure():
     assert verdict.notes == (
         "nproc=2 ran on a fake GPU (NVIDIA H200): every limit reads the allocator figure, what torch's caching "
         "allocator would count on that model; a real GPU holds more (the CUDA context, the communicator's "
-        "buffers, the allocator's cache)",)
+        "buffers, the allocator's cache), not predicted: its model has no calibration of them (gpumem calibrate)",)
     assert verdict.failures[0].basis == "fake GPU" and verdict.failures[0].figure == "allocated"
     assert "nvidia-smi" not in text and "device figure" not in text
+
+
+def test_a_calibrated_fake_gpu_gates_max_mib_on_its_predicted_device_figure_and_says_each_sizes_fit():
+    def estimate(reserved):
+        return DeviceEstimate((("reserved", reserved), ("context", 512.0), ("nccl", 256.0)), "NVIDIA H100 80GB HBM3",
+                              81079.0)
+
+    fake = SizeResult(2, "gpu", {0: Peak(50.0, SAMPLED), 1: Peak(60.0, SAMPLED)}, simulated=(0, 1),
+                      fake_gpu="NVIDIA H100 80GB HBM3",
+                      allocated={0: AllocatedPeak(50.0, 64.0, "torch", estimate(64.0)),
+                                 1: AllocatedPeak(60.0, 80.0, "torch", estimate(80.0))})
+    verdict = judge(spec(nproc=2, max_mib=800, rank="all"), [fake])
+    (failure,) = verdict.failures
+    assert (failure.measured_mib, failure.figure, failure.rank_label) == (848.0, "device", "rank 1 (largest)")
+    assert "rank 1 (largest) at nproc=2 (gpu, device figure predicted, fake GPU): peak 848.0 MiB > max_mib" in \
+        failure.text()
+    assert verdict.notes[0].startswith("nproc=2 ran on a fake GPU (NVIDIA H100 80GB HBM3): its device figure is "
+                                       "predicted") and verdict.notes[0].endswith("max_mib reads it, other limits "
+                                                                                 "the allocator figure")
+    assert verdict.notes[1] == ("nproc=2 rank 1 (largest): fits NVIDIA H100 80GB HBM3: 0.8 of 79.2 GiB, margin 78.4 "
+                                "GiB (predicted: reserved 80.0 + context 512.0 + nccl 256.0 MiB)")
 
 
 def test_a_fake_gpu_size_is_judged_against_its_baseline_once_at_the_allocator_tolerance():

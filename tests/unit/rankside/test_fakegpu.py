@@ -182,6 +182,9 @@ def test_a_calibrated_model_is_written_beside_the_others_and_wins_over_the_built
     ('{"schema": 1, "models": {"X": {"major": "9"}}}', "models['X'].major = '9': expected an integer >= 0"),
     ('{"schema": 1, "models": {"X": {"major": 9, "minor": 0, "total_memory": 1, "multi_processor_count": 1, '
      '"cublas_workspace": -1}}}', "models['X'].cublas_workspace = -1"),
+    ('{"schema": 1, "models": {"X": {"major": 9, "minor": 0, "total_memory": 1, "multi_processor_count": 1, '
+     '"cublas_workspace": 1, "cublaslt_workspace": 1, "outside": {"kernels": 5}}}}',
+     "models['X'].outside = {'kernels': 5}: expected an object from context, cublas, cudnn, attention, nccl"),
 ])
 def test_a_broken_calibration_file_names_itself_and_the_field(tmp_path: Path, text: str, says: str):
     path = tmp_path / models.CALIBRATION_FILE
@@ -189,6 +192,34 @@ def test_a_broken_calibration_file_names_itself_and_the_field(tmp_path: Path, te
     with pytest.raises(models.CalibrationError) as raised:
         models.model("NVIDIA H200", path)
     assert str(path) in str(raised.value) and says in str(raised.value)
+
+
+def test_the_device_figure_adds_to_the_reserved_peak_the_calibrated_parts_the_job_used(tmp_path: Path):
+    from pytest_gpumem.rankside.fakegpu.device import predict_device
+
+    outside = {"context": 500 * MiB, "cublas": 100 * MiB, "cudnn": 200 * MiB, "attention": 30 * MiB,
+               "nccl": 300 * MiB}
+    h100 = models.GpuModel("NVIDIA H100 80GB HBM3", 9, 0, 80 * 1024 * MiB, 132, 32 * MiB, MiB, outside=outside)
+    path = tmp_path / models.CALIBRATION_FILE
+    models.write_calibration(path, h100)
+    h100 = models.model("NVIDIA H100 80GB HBM3", path)  # the parts outside survive the file
+    assert h100.outside == outside
+    found = predict_device(h100, 1000.0, {"cublas"}, ["gloo", "cuda:nccl,cpu:gloo"])
+    assert found == {"gpu": "NVIDIA H100 80GB HBM3", "capacity_mib": 81920.0,
+                     "parts_mib": {"reserved": 1000.0, "context": 500.0, "cublas": 100.0, "nccl": 300.0}}
+    assert predict_device(h100, 1000.0, {"cudnn"}, ["gloo"])["parts_mib"] == {
+        "reserved": 1000.0, "context": 500.0, "cudnn": 200.0}  # no NCCL group, no communicator
+    assert predict_device(models.GpuModel("X", 9, 0, 1, 1, 0, 0), 1000.0, {"cublas"}, ["nccl"]) is None
+
+
+def test_a_predicted_device_figure_says_whether_it_fits_and_by_how_much():
+    from pytest_gpumem.sampling import DeviceEstimate
+
+    fits = DeviceEstimate((("reserved", 61440.0), ("context", 1228.8)), "NVIDIA H100 80GB HBM3", 81510.4)
+    assert fits.fit() == "fits NVIDIA H100 80GB HBM3: 61.2 of 79.6 GiB, margin 18.4 GiB"
+    assert fits.sum_text() == "reserved 61440.0 + context 1228.8 MiB"
+    over = DeviceEstimate((("reserved", 81000.0), ("context", 1024.0)), "NVIDIA H100 80GB HBM3", 81510.4)
+    assert over.fit() == "does not fit NVIDIA H100 80GB HBM3: 80.1 of 79.6 GiB, 0.5 GiB over"
 
 
 # ------------------------------------------------------------------------------------ CUDA's own allocations

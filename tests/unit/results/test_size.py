@@ -2,7 +2,7 @@
 
 from pytest_gpumem.results.predict import MODELS, Fit, Prediction
 from pytest_gpumem.results.size import ALLOCATED, DEVICE, HOST, FloorResult, SizeResult, gated_reading
-from pytest_gpumem.sampling import AllocatedPeak, Peak
+from pytest_gpumem.sampling import AllocatedPeak, DeviceEstimate, Peak
 
 
 def test_rank_all_reads_the_largest_rank_of_the_figure_it_reads():
@@ -12,6 +12,22 @@ def test_rank_all_reads_the_largest_rank_of_the_figure_it_reads():
     assert gated_reading(size, "all").read(ALLOCATED) == ("rank 1 (largest)", 70.0, ALLOCATED)
     assert gated_reading(size, "all").read(DEVICE) == ("rank 0 (largest)", 100.0, DEVICE)
     assert gated_reading(size, 0).read(ALLOCATED) == ("rank 0", 50.0, ALLOCATED)
+
+
+def test_a_fake_gpus_device_figure_is_the_one_it_predicts_else_its_allocator_figure():
+    def estimate(reserved: float) -> DeviceEstimate:
+        return DeviceEstimate((("reserved", reserved), ("context", 500.0)), "NVIDIA H100 80GB HBM3", 81079.0)
+
+    peaks = {0: Peak(None, "fake GPU"), 1: Peak(None, "fake GPU")}
+    size = SizeResult(2, "gpu", peaks, fake_gpu="NVIDIA H100 80GB HBM3",
+                      allocated={0: AllocatedPeak(50.0, 64.0, "torch", estimate(64.0)),
+                                 1: AllocatedPeak(70.0, 80.0, "torch", estimate(80.0))})
+    assert gated_reading(size, 0).read(DEVICE) == ("rank 0", 564.0, DEVICE)
+    assert gated_reading(size, "all").read(DEVICE) == ("rank 1 (largest)", 580.0, DEVICE)
+    assert gated_reading(size, 0).read(ALLOCATED) == ("rank 0", 50.0, ALLOCATED)
+    uncalibrated = SizeResult(1, "gpu", {0: Peak(None, "fake GPU")}, fake_gpu="NVIDIA H200",
+                              allocated={0: AllocatedPeak(50.0, 64.0, "torch")})
+    assert gated_reading(uncalibrated, 0).read(DEVICE) == ("rank 0", 50.0, ALLOCATED)
 
 
 def test_host_memory_has_one_figure_whatever_the_limit_asks():

@@ -23,6 +23,7 @@ from . import (
     fsdp1_allocated,
     fsdp_move,
     kernel_scratch,
+    libraries,
     lift_cpu,
     save_host,
     shape_rules,
@@ -35,7 +36,7 @@ from .base import BoundHook, Context, Mend, Patch
 MENDS: tuple[Mend, ...] = (
     storage_resize.MEND, attention.MEND, sharding.MEND, ddp.MEND, dtensor_rng.MEND, fsdp1_allocated.MEND,
     foreach.MEND, lift_cpu.MEND, ties.MEND, shape_rules.MEND, compile_eager.MEND, save_host.MEND,
-    fsdp_move.MEND, kernel_scratch.MEND, cublas.MEND,
+    fsdp_move.MEND, kernel_scratch.MEND, cublas.MEND, libraries.MEND,
 )
 
 # pytest leaves this module's frames out of a failing test's traceback, as it leaves out its own
