@@ -954,3 +954,21 @@ def test_megatron_rank_all_at_8_measures_ranks_over_an_eighth_of_the_gpu_one_at_
     assert min(device.values()) > total_mib / 8 and sum(device.values()) > total_mib  # not at once
     assert size["gated_rank"] in range(4) and size["gated_label"] == f"rank {size['gated_rank']} (largest)"
     assert device[size["gated_rank"]] == max(device.values())
+
+
+@needs_gpu
+def test_gpumem_calibrate_measures_each_part_outside_the_allocator(tmp_path):
+    """The parts a fake GPU adds to its reserved peak to predict the device figure (issue 66), measured
+    here: the context at least the hundreds of MiB every CUDA process holds, each library's part >= 0."""
+    import subprocess
+    import sys
+
+    from pytest_gpumem.rankside.fakegpu.models import OUTSIDE, read_calibration
+
+    out = tmp_path / "gpumem-calibration.json"
+    done = subprocess.run([sys.executable, "-m", "pytest_gpumem.cli", "calibrate", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (model,) = read_calibration(out).values()
+    assert set(model.outside) == set(OUTSIDE), model.outside
+    assert model.outside["context"] >= 100 * 2**20 and min(model.outside.values()) >= 0, model.outside
