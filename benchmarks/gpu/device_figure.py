@@ -56,12 +56,12 @@ SWEEP_MODELS = (("causal_lm", "gpt2"), ("causal_lm", "llama"), ("causal_lm", "qw
                 ("causal_lm", "qwen2_moe"), ("causal_lm", "olmo"), ("causal_lm", "stablelm"),
                 ("causal_lm", "starcoder2"), ("image_classification", "vit"),
                 ("image_classification", "convnext"), ("image_classification", "resnet"),
-                ("image_classification", "swin"), ("image_classification", "deit"))
+                ("image_classification", "swin"), ("causal_lm", "phi"))
 
 
 class Nvml:
-    """NVML's figure for this process (the compute process whose pid is ours; the only one if the
-    pids do not match, as in a container without the host's pid namespace)."""
+    """NVML's figure for this process (the compute process whose pid is ours; None while NVML does not
+    list it, and always in a container without the host's pid namespace)."""
 
     def __init__(self) -> None:
         import pynvml
@@ -75,11 +75,12 @@ class Nvml:
     def process_mib(self) -> float | None:
         found = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
         mine = [p for p in found if p.pid == os.getpid()]
-        self.matched = bool(mine)
-        chosen = mine or (found if len(found) == 1 else [])
-        if not chosen or chosen[0].usedGpuMemory is None:
+        self.matched = bool(mine) or self.matched
+        # another process's figure is never taken for ours: before this process holds a context NVML does
+        # not list it, and a job running beside it would be read instead (the first run here did so)
+        if not mine or mine[0].usedGpuMemory is None:
             return None
-        return float(chosen[0].usedGpuMemory) / MiB
+        return float(mine[0].usedGpuMemory) / MiB
 
 
 def _figures(nvml: Nvml) -> dict[str, Any]:
@@ -233,6 +234,12 @@ def fake_job(kind: str, name: str, model: str, calibration: str) -> dict[str, An
     the device figure it predicts, with the parts."""
     from pytest_gpumem.rankside import fakegpu, simulate
 
+    if kind == "replay":  # its allocator settings, before the fake GPU reads them at install
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import allocator_replay
+
+        os.environ.update({"PYTORCH_CUDA_ALLOC_CONF": allocator_replay.JOBS[name][1]} if allocator_replay.JOBS[name][1]
+                          else {})
     simulate.install_world(simulate.World(0, 1))
     fakegpu.install(model, calibration)
     body = _job_body(kind, name)
