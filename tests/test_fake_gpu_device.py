@@ -39,12 +39,18 @@ def test_fits():
 
 @pytest.mark.gpumem(nproc=1, device="gpu", fake_gpu="on", max_mib=400)
 def test_capped():
+    import torch
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))  # NCCL's communicator made at once
     matmul(16)  # its allocator figure is under 400 MiB, its device figure is not
 
 
 @pytest.mark.gpumem(nproc=1, device="gpu", fake_gpu="on")
 def test_over():
-    dist.init_process_group("nccl")  # a communicator of one rank: NCCL's part counted
+    import torch
+
+    dist.init_process_group("nccl")
+    dist.all_reduce(torch.ones(1, device="cuda"))  # a communicator of one rank: NCCL's part counted
     matmul(7 * 1024)
 '''
 
@@ -59,7 +65,7 @@ def test_each_fake_size_carries_its_predicted_device_figure_its_fit_and_max_mib_
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()
     tests = {t["test"].split("::")[1]: t for t in json.loads(report.read_text())["tests"]}
-    for name, parts in (("test_fits", ("context", "cublas", "cudnn")), ("test_capped", ("context", "cublas")),
+    for name, parts in (("test_fits", ("context", "cublas", "cudnn")), ("test_capped", ("context", "cublas", "nccl")),
                         ("test_over", ("context", "cublas", "nccl"))):
         (size,) = tests[name]["sizes"]
         rank0 = size["allocated_ranks"]["0"]

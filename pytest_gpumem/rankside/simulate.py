@@ -47,7 +47,9 @@ from .imports import after_import
 __tracebackhide__ = True
 
 SIMULATE_ENV = "GPUMEM_SIMULATED_RANK"  # "R/W": this process is rank R of a simulated world of W
-backends: list[str] = []  # the backend each process group asked for (a fake GPU counts NCCL's communicators)
+# Groups made with a CUDA device_id for NCCL: NCCL makes their communicator at once, not at a first
+# collective (a fake GPU's device figure counts it)
+eager_nccl: list[str] = []
 
 
 class SimulationError(RuntimeError):
@@ -115,7 +117,8 @@ def _patch_torch(torch: ModuleType, where: World) -> None:
         if args:  # backend_options, positionally: a real backend's options mean nothing to the fake one
             args = (None, *args[1:])
         kwargs.pop("backend_options", None)
-        backends.append(str(backend))
+        if "nccl" in str(backend) and getattr(kwargs.get("device_id"), "type", None) == "cuda":
+            eager_nccl.append(str(group_name))
         return helper(group_size, group_rank, global_ranks, "fake", store, group_name, *args, **kwargs)
 
     # Module globals, looked up at each call: callers that imported these names are covered too.

@@ -67,14 +67,14 @@ def supplied() -> list[str]:
 def describe(reserved_mib: float | None) -> dict[str, Any]:
     """What the exit report says of this rank's fake GPU ({} on a real one): with the device figure
     predicted from ``reserved_mib`` (the reserved peak the report carries), where the model has one."""
-    from ..simulate import backends
+    from ..simulate import eager_nccl
     from .device import predict_device
 
     model = active.get("model")
     if model is None:
         return {}
-    device = None if reserved_mib is None else predict_device(model, reserved_mib, active["allocator"].loaded,
-                                                              backends)
+    loaded = active["allocator"].loaded | ({"nccl"} if eager_nccl else set())
+    device = None if reserved_mib is None else predict_device(model, reserved_mib, loaded)
     return {"model": model.name, "calibration": model.source, "measured_with": dict(model.measured_with),
             "cublas_workspace_mib": model.cublas_workspace / 2**20,
             "cublaslt_workspace_mib": model.cublaslt_workspace / 2**20, "supplied": supplied(),

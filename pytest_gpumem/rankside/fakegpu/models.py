@@ -63,11 +63,18 @@ class GpuModel:
 
 # Measured on the lent H200 with torch 2.11.0+cu130 (benchmarks/results/fake_gpu_calibration.txt,
 # `gpumem calibrate`): device properties as torch reports them, the workspaces as the allocator grew.
+# The H100's, with what lives outside the allocator, on the lent H100 with torch 2.11.0+cu130, driver
+# 580.159.04 (benchmarks/results/device_figure/: `gpumem calibrate`, and the jobs it predicts).
 BUILT_IN: dict[str, GpuModel] = {
     "NVIDIA H200": GpuModel(
         name="NVIDIA H200", major=9, minor=0, total_memory=150_754_820_096, multi_processor_count=132,
         cublas_workspace=32 * MiB, cublaslt_workspace=1 * MiB,
         measured_with={"torch": "2.11.0+cu130"}),
+    "NVIDIA H100 80GB HBM3": GpuModel(
+        name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85_017_493_504, multi_processor_count=132,
+        cublas_workspace=32 * MiB, cublaslt_workspace=1 * MiB,
+        outside={"context": 610 * MiB, "cublas": 132 * MiB, "cudnn": 16 * MiB, "attention": 0, "nccl": 562 * MiB},
+        measured_with={"torch": "2.11.0+cu130", "cuda": "13.0", "driver": "580.159.04"}),
 }
 DEFAULT_MODEL = "NVIDIA H200"
 

@@ -156,6 +156,15 @@ def test_the_built_in_h200_is_what_gpumem_calibrate_measured_on_the_lent_h200():
     assert h200.properties()["total_memory"] == h200.total_memory
 
 
+def test_the_built_in_h100_is_what_gpumem_calibrate_measured_on_the_lent_h100():
+    root = Path(__file__).resolve().parents[3]
+    measured = models.read_calibration(root / "benchmarks" / "results" / "device_figure" / models.CALIBRATION_FILE)
+    h100, built_in = measured["NVIDIA H100 80GB HBM3"], models.model("NVIDIA H100 80GB HBM3")
+    for field in ("major", "minor", "total_memory", "multi_processor_count", "cublas_workspace", "cublaslt_workspace",
+                  "outside"):
+        assert getattr(built_in, field) == getattr(h100, field), field
+
+
 def test_an_unknown_model_names_the_known_ones_and_the_command_that_adds_one(tmp_path: Path):
     with pytest.raises(models.CalibrationError) as raised:
         models.model("NVIDIA B300", tmp_path / models.CALIBRATION_FILE)
@@ -204,12 +213,12 @@ def test_the_device_figure_adds_to_the_reserved_peak_the_calibrated_parts_the_jo
     models.write_calibration(path, h100)
     h100 = models.model("NVIDIA H100 80GB HBM3", path)  # the parts outside survive the file
     assert h100.outside == outside
-    found = predict_device(h100, 1000.0, {"cublas"}, ["gloo", "cuda:nccl,cpu:gloo"])
+    found = predict_device(h100, 1000.0, {"cublas", "nccl"})
     assert found == {"gpu": "NVIDIA H100 80GB HBM3", "capacity_mib": 81920.0,
                      "parts_mib": {"reserved": 1000.0, "context": 500.0, "cublas": 100.0, "nccl": 300.0}}
-    assert predict_device(h100, 1000.0, {"cudnn"}, ["gloo"])["parts_mib"] == {
-        "reserved": 1000.0, "context": 500.0, "cudnn": 200.0}  # no NCCL group, no communicator
-    assert predict_device(models.GpuModel("X", 9, 0, 1, 1, 0, 0), 1000.0, {"cublas"}, ["nccl"]) is None
+    assert predict_device(h100, 1000.0, {"cudnn"})["parts_mib"] == {
+        "reserved": 1000.0, "context": 500.0, "cudnn": 200.0}  # no collective, no communicator
+    assert predict_device(models.GpuModel("X", 9, 0, 1, 1, 0, 0), 1000.0, {"cublas"}) is None
 
 
 def test_a_predicted_device_figure_says_whether_it_fits_and_by_how_much():

@@ -46,14 +46,15 @@ __tracebackhide__ = True
 
 def apply_mends(context: Context) -> dict[Any, tuple[BoundHook, ...]]:
     """Arm every mend's import patches; returns its op hooks by overload packet (the ops this torch has)."""
-    aten = context.torch.ops.aten
     hooks: dict[Any, tuple[BoundHook, ...]] = {}
     for mend in MENDS:
         for module, patch in mend.on_import:
             after_import(module, functools.partial(_applied, patch, context))
         for op, hook in mend.after_op:
-            if hasattr(aten, op):
-                packet = getattr(aten, op)
+            namespace, _, name = op.rpartition(".")  # "mm" is aten's; "c10d.allreduce_" names its namespace
+            ops = getattr(context.torch.ops, namespace or "aten")
+            if hasattr(ops, name):
+                packet = getattr(ops, name)
                 hooks[packet] = (*hooks.get(packet, ()), functools.partial(hook, context))
     return hooks
 

@@ -36,4 +36,4 @@ class Mend:
     name: str
     needed_by: str  # the idioms (tests/idioms.py) or sweep models that fail or read wrong without it
     on_import: tuple[tuple[str, Patch], ...] = ()  # (the module whose import arms it, its patch)
-    after_op: tuple[tuple[str, OpHook], ...] = ()  # (an aten op's name, what its counted call adds)
+    after_op: tuple[tuple[str, OpHook], ...] = ()  # (an op's name, aten's or "namespace.op", what its call adds)
